@@ -1,0 +1,58 @@
+"""The one room behind kwarm's three doors: :func:`activate`, idempotent and fail-open.
+
+Doors (each ends here, each a no-op unless ``KWARM_ENABLE`` is truthy):
+
+1. ``kwarm-ext.pth`` in site-packages: one line that imports nothing unless the
+   variable is set, so ``pip install kwarm-ext`` + ``KWARM_ENABLE=1 vllm serve`` works in
+   every process vLLM starts, forked or spawned.
+2. ``kwarm run -- CMD``: ``sitecustomize.py`` from kwarm's bootstrap directory.
+3. The ``vllm.general_plugins`` entry point ``kwarm``, which vLLM calls in the engine
+   and in every worker before it imports the worker class.
+
+Activation registers import hooks only: it never imports vLLM, torch or Triton.
+"""
+from __future__ import annotations
+
+import threading
+
+from kwarm_ext import config
+from kwarm_ext.log import logger
+
+_lock = threading.RLock()
+_active = False
+SOURCES: list[str] = []  # every door that knocked in this process, in order
+
+
+def activate(source: str = "api") -> bool:
+    """Install kwarm's hooks once per process. Never raises unless KWARM_STRICT is set."""
+    global _active
+    try:
+        if not config.is_enabled():
+            return False
+        with _lock:
+            SOURCES.append(source)
+            if _active:
+                return True
+            settings = config.get()
+            from kwarm_ext import patches
+
+            patches.install()
+            _active = True
+            logger.debug("kwarm activated from %s (KWARM_WARMUPS=%s)", source, settings.warmups.describe())
+            return True
+    except Exception as exc:
+        logger.warning("kwarm: activation from %s failed, kwarm is off in this process: %r", source, exc)
+        if _strict():
+            raise
+        return False
+
+
+def is_active() -> bool:
+    return _active
+
+
+def _strict() -> bool:
+    try:
+        return config.get().strict
+    except Exception:
+        return False

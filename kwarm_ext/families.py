@@ -1,0 +1,52 @@
+"""The registry of warmup families: one table, importing no family until warmup time.
+
+A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
+
+- ``applies(view) -> str | None``: ``None`` when the family is for this engine, else
+  the reason it is not (logged in the summary line);
+- ``plan(view, forced) -> list[Step]``: the steps, each a call through vLLM's own entry
+  function that launches one kernel's production specializations. A step that upstream
+  vLLM already runs (and `forced` is false) or whose vLLM symbol is absent carries its
+  skip reason instead of running.
+
+Selection: ``KWARM_WARMUPS`` (see kwarm_ext/config.py) > each family's own ``applies``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    module: str
+    summary: str
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+
+@dataclasses.dataclass
+class Step:
+    """One isolated warmup call. `run` returns the labels of the variants it launched."""
+
+    name: str
+    kernel: str
+    run: Callable[[], list] | None = None
+    skip: str | None = None
+
+
+# Order is run order.
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("runner", "kwarm_ext.kernels.runner",
+               "per-step runner kernels of hybrid and MLA models: slot mapping, KV-block zeroing"),
+        Family("qwen_gdn", "kwarm_ext.kernels.qwen_gdn",
+               "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm"),
+        Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
+               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion"),
+    )
+}

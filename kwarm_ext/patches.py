@@ -1,0 +1,101 @@
+"""kwarm's only monkey-patch: ``vllm.v1.worker.gpu_worker.kernel_warmup``.
+
+Why: vLLM compiles Triton kernels lazily, on the first request that hits each
+specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
+after the KV caches are bound and the attention groups built, and before CUDA-graph
+capture, Model Runner V2's ``warmup_kernels`` and vLLM's JIT monitor: the one point
+where kwarm can inspect the real runner and compile what production will launch,
+without the monitor counting it as inference JIT.
+
+How: a wrapt post-import hook on ``vllm.v1.worker.gpu_worker`` wraps that module's
+attribute ``kernel_warmup`` (imported there by name, so patching
+``vllm.model_executor.warmup.kernel_warmup`` after gpu_worker has been imported would
+have no effect). The original runs first, with ``*args, **kwargs`` passed through
+(``process_local_only=`` appears in 0.27); kwarm's warmup runs after it returns.
+
+vLLM versions: needed for every release kwarm supports, 0.20.0 to 0.33.0 (checked at
+each release by ``kwarm doctor`` and tests/test_hook.py). It can go when vLLM offers a
+public warmup-extension point that runs at the same moment (the JIT-warmup registry
+of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("kwarm")
+
+TARGET_MODULE = "vllm.v1.worker.gpu_worker"
+TARGET_ATTRIBUTE = "kernel_warmup"
+
+_installed = False
+
+
+def install() -> None:
+    """Register the post-import hook; it fires at once if gpu_worker is already imported."""
+    global _installed
+    if _installed:
+        return
+    import wrapt
+
+    wrapt.register_post_import_hook(_on_gpu_worker_import, TARGET_MODULE)
+    _installed = True
+
+
+def _on_gpu_worker_import(module) -> None:
+    """wrapt lets a hook's exception fail the user's import: never let one out."""
+    try:
+        patch(module)
+    except Exception as exc:
+        logger.warning("kwarm: could not wrap %s.%s, kwarm's warmup will not run: %r",
+                       TARGET_MODULE, TARGET_ATTRIBUTE, exc)
+        from kwarm_ext import config
+
+        if config.get().strict:
+            raise
+
+
+def patch(module) -> bool:
+    """Wrap ``module.kernel_warmup`` once. Returns whether this call wrapped it."""
+    import wrapt
+
+    current = getattr(module, TARGET_ATTRIBUTE, None)
+    if current is None:
+        logger.warning("kwarm: %s has no attribute %s in this vLLM; kwarm's warmup will not run",
+                       TARGET_MODULE, TARGET_ATTRIBUTE)
+        return False
+    if is_patched(module):
+        return False
+    wrapt.wrap_function_wrapper(module, TARGET_ATTRIBUTE, _wrap_kernel_warmup)
+    return True
+
+
+def unpatch(module) -> bool:
+    """Restore the original ``kernel_warmup`` (tests; ``kwarm`` never unpatches itself)."""
+    if not is_patched(module):
+        return False
+    setattr(module, TARGET_ATTRIBUTE, getattr(module, TARGET_ATTRIBUTE).__wrapped__)
+    return True
+
+
+def is_patched(module) -> bool:
+    import wrapt
+
+    current = getattr(module, TARGET_ATTRIBUTE, None)
+    return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is _wrap_kernel_warmup
+
+
+def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
+    """Run vLLM's own ``kernel_warmup(worker, ...)``, then kwarm's warmup on the same worker."""
+    result = wrapped(*args, **kwargs)
+    worker = args[0] if args else kwargs.get("worker")
+    try:
+        from kwarm_ext import warmup
+
+        warmup.run(worker)  # isolates each of its own steps
+    except Exception as exc:
+        logger.warning("kwarm: warmup failed, the engine starts without it: %r", exc)
+        from kwarm_ext import config
+
+        if config.get().strict:
+            raise
+    return result

@@ -1,0 +1,162 @@
+"""kwarm's warmup, run on each worker right after vLLM's own ``kernel_warmup``.
+
+Order: the engine view, then each selected family's steps. Every step is isolated:
+an exception becomes one warning naming the step and the reason, and the next step
+runs (``KWARM_STRICT=1`` re-raises instead). It ends with one summary line per worker
+and, with ``KWARM_REPORT``, a JSON report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from kwarm_ext import config, engine, monitor
+from kwarm_ext.families import FAMILIES
+
+logger = logging.getLogger("kwarm")
+
+
+@dataclasses.dataclass
+class FamilyResult:
+    name: str
+    status: str = "skipped"  # ran | skipped | failed
+    reason: str | None = None
+    seconds: float = 0.0
+    steps: list = dataclasses.field(default_factory=list)  # {name, kernel, status, variants, reason, seconds}
+    compiled: list = dataclasses.field(default_factory=list)  # {kernel, module, key}
+
+    def short(self) -> str:
+        if self.status != "ran":
+            return f"{self.name} ({self.reason})"
+        ran = [s for s in self.steps if s["status"] == "ran"]
+        left = [s for s in self.steps if s["status"] == "skipped"]
+        failed = [s for s in self.steps if s["status"] == "failed"]
+        kernels = sorted({s["kernel"] for s in ran})
+        text = (f"{self.name} {self.seconds:.2f} s: {len(kernels)} kernels, "
+                f"{sum(len(s['variants']) for s in ran)} variants, {len(self.compiled)} compiled")
+        if left:
+            text += f"; {len(left)} steps skipped ({'; '.join(sorted({s['reason'] for s in left}))})"
+        if failed:
+            text += f"; {len(failed)} steps failed"
+        return text
+
+
+class StepFailed(Exception):
+    pass
+
+
+def guarded(what: str, fn, *, default=None):
+    """Run `fn`; on an exception log one warning naming `what` and return `default`."""
+    try:
+        return fn()
+    except Exception as exc:
+        logger.warning("kwarm: %s failed, skipped: %s: %s", what, type(exc).__name__, exc)
+        if config.get().strict:
+            raise
+        raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
+def run(worker) -> dict:
+    """Warm `worker`; returns the report (also written to KWARM_REPORT)."""
+    settings = config.get()
+    t0 = time.perf_counter()
+    report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None}
+    try:
+        view = guarded("engine view", lambda: engine.build(worker))
+    except StepFailed:
+        view = None
+    if view is not None:
+        report["view"] = view.as_dict()
+        gaps = engine.missing_required(view)
+        if gaps:
+            logger.warning("kwarm: engine view incomplete, families may skip: missing %s",
+                           ", ".join(f"{g} ({view.missing[g]})" for g in gaps))
+        logger.info("kwarm: engine view: %s", view.summary())
+
+    results = [_run_family(name, view, settings) for name in FAMILIES]
+    report["families"] = [dataclasses.asdict(r) for r in results]
+    report["total_s"] = round(time.perf_counter() - t0, 4)
+    rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
+    report["rank"] = rank
+    ran = [r.short() for r in results if r.status == "ran"]
+    skipped = [r.short() for r in results if r.status == "skipped"]
+    failed = [r.short() for r in results if r.status == "failed"]
+    logger.info("kwarm: warmup done in %.2f s on rank %s: ran %s; skipped %s; failed %s",
+                report["total_s"], rank, " | ".join(ran) or "-", ", ".join(skipped) or "-",
+                ", ".join(failed) or "-")
+    if settings.report:
+        try:
+            guarded("report", lambda: write_report(report, settings.report, rank))
+        except StepFailed:
+            pass
+    return report
+
+
+def _run_family(name: str, view, settings) -> FamilyResult:
+    result = FamilyResult(name)
+    if not settings.warmups.wants(name):
+        result.reason = "disabled by KWARM_WARMUPS"
+        return result
+    if view is None:
+        result.reason = "no engine view"
+        return result
+    forced = name in settings.warmups.forced
+    t0 = time.perf_counter()
+    try:
+        module = guarded(f"warmup family {name} (import)", FAMILIES[name].load)
+        reason = guarded(f"warmup family {name} (applies)", lambda: module.applies(view))
+        if reason:
+            result.reason = reason
+            return result
+        steps = guarded(f"warmup family {name} (plan)", lambda: module.plan(view, forced))
+    except StepFailed as exc:
+        result.status, result.reason = "failed", str(exc)
+        result.seconds = round(time.perf_counter() - t0, 4)
+        return result
+    result.status = "ran"
+    with monitor.capture() as compiled:
+        for step in steps:
+            result.steps.append(_run_step(name, step))
+    result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key} for c in compiled]
+    result.seconds = round(time.perf_counter() - t0, 4)
+    return result
+
+
+def _run_step(family: str, step) -> dict:
+    record = {"name": step.name, "kernel": step.kernel, "status": "skipped", "variants": [],
+              "reason": step.skip, "seconds": 0.0}
+    if step.skip is not None or step.run is None:
+        record["reason"] = step.skip or "nothing to run"
+        return record
+    t0 = time.perf_counter()
+    try:
+        record["variants"] = list(guarded(f"warmup step {family}.{step.name}", step.run) or [])
+        record["status"] = "ran"
+    except StepFailed as exc:
+        record["status"], record["reason"] = "failed", str(exc)
+    record["seconds"] = round(time.perf_counter() - t0, 4)
+    return record
+
+
+def write_report(report: dict, path: str, rank: int) -> str:
+    """Write atomically; ``{rank}`` in `path` is the rank, else ranks > 0 get ``.rank<N>``."""
+    if "{rank}" in path:
+        path = path.replace("{rank}", str(rank))
+    elif rank:
+        path = f"{path}.rank{rank}"
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(tmp, path)
+    return path
+
+
+def _kwarm_version() -> str:
+    from kwarm_ext import __version__
+
+    return __version__

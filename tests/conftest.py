@@ -1,0 +1,94 @@
+"""Shared test helpers: fresh-interpreter runs (optionally against another vLLM release's
+Python files from .rel/) and a handler on the ``kwarm`` logger."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASES_DIR = REPO / ".rel"
+MATRIX = ("0.20.0", "0.22.0", "0.24.0", "0.26.0", "0.28.0")
+
+
+def release_path(version: str) -> Path | None:
+    """Folder of `version`'s Python files, or None for the venv's own vLLM (0.24.0)."""
+    if version == "0.24.0":
+        return None
+    path = RELEASES_DIR / f"vllm-{version}"
+    if not (path / ".complete").exists():
+        pytest.skip(f"vLLM {version} files not fetched (run tests/run.sh)")
+    return path
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KWARM_")}
+    env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
+def run_py(code: str, *, env: dict | None = None, release: str | None = None, args=(),
+           timeout: float = 300, cwd=None, python=None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter; `release` puts that vLLM's files first on sys.path."""
+    env = dict(clean_env() if env is None else env)
+    if release is not None:
+        path = release_path(release)
+        if path is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    return subprocess.run([python or sys.executable, *args, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def cpu_triton_env(**extra) -> dict:
+    """vLLM's Triton kernels on CPU: the interpreter, and CUDA_VISIBLE_DEVICES set but empty
+    (vLLM treats that as a distributed environment and keeps Triton enabled)."""
+    return clean_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **extra)
+
+
+class LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def messages(self, level=logging.WARNING) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def kwarm_log():
+    """Records of the ``kwarm`` logger (it does not propagate to the root, so caplog misses it)."""
+    handler = LogRecords()
+    log = logging.getLogger("kwarm")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(old)
+
+
+@pytest.fixture
+def kwarm_env(monkeypatch):
+    """Set KWARM_* variables for one test; the parsed settings are reset around it."""
+    from kwarm_ext import config
+
+    for key in list(os.environ):
+        if key.startswith("KWARM_"):
+            monkeypatch.delenv(key)
+    config.reset()
+
+    def set_env(**values):
+        for k, v in values.items():
+            monkeypatch.setenv(k, v)
+        config.reset()
+
+    yield set_env
+    config.reset()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Sets up the test environment from scratch and runs the tests (the README's test command).
+#
+#   bash tests/run.sh [pytest args...]
+#
+# - .venv/ : Python venv with the real vllm==0.24.0 (CPU import; about 9 GB, a few minutes
+#   the first time), pytest, and kwarm-ext installed from this tree (reinstalled every run).
+# - .rel/vllm-<ver>/ : the Python files of other vLLM releases (0.20.0 0.22.0 0.26.0 0.28.0
+#   0.33.0) for the release-matrix tests, which put one of them first on PYTHONPATH.
+# KWARM_TEST_VENV overrides the venv location; KWARM_TEST_RELEASES the release list.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KWARM_TEST_VENV:-.venv}
+PY=${PYTHON:-python3}
+RELEASES=${KWARM_TEST_RELEASES:-0.20.0 0.22.0 0.26.0 0.28.0 0.33.0}
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
+  echo "== creating $VENV with vllm==0.24.0 (a few minutes the first time)"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+  "$VENV/bin/pip" install -q "vllm==0.24.0" pytest gguf
+fi
+echo "== installing kwarm-ext from this tree"
+"$VENV/bin/pip" install -q --no-deps --force-reinstall --no-build-isolation . 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/pip" install -q wrapt 2>&1 | grep -v "^WARNING: Location" || true
+
+for ver in $RELEASES; do
+  dest=.rel/vllm-$ver
+  [ -f "$dest/.complete" ] && continue
+  echo "== fetching vLLM $ver's Python files into $dest"
+  rm -rf "$dest" && mkdir -p "$dest/.whl"
+  "$VENV/bin/pip" download -q --no-deps -d "$dest/.whl" "vllm==$ver" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" - "$dest" <<'PY'
+import glob, sys, zipfile
+dest = sys.argv[1]
+with zipfile.ZipFile(glob.glob(f"{dest}/.whl/vllm-*.whl")[0]) as zf:
+    zf.extractall(dest, [n for n in zf.namelist() if n.endswith((".py", ".json")) or ".dist-info/" in n])
+PY
+  rm -rf "$dest/.whl"
+  # Extra modules an import of this release asks for beyond 0.24.0's dependencies.
+  case "$ver" in
+    0.33.*) "$VENV/bin/pip" install -q --no-deps --target "$dest" "humming-kernels==0.1.19" 2>&1 | grep -v "^WARNING: Location" || true ;;
+  esac
+  touch "$dest/.complete"
+done
+
+echo "== pytest"
+export CUDA_VISIBLE_DEVICES=""
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
