@@ -17,7 +17,7 @@ RELEASES=${KWARM_TEST_RELEASES:-0.20.0 0.22.0 0.26.0 0.28.0 0.33.0}
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
   echo "== creating $VENV with vllm==0.24.0 (a few minutes the first time)"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+  "$VENV/bin/pip" install -q --upgrade pip "setuptools>=70.1,<82" wheel
   "$VENV/bin/pip" install -q "vllm==0.24.0" pytest gguf
 fi
 echo "== installing kwarm-ext from this tree"

@@ -1,0 +1,128 @@
+"""``kwarm doctor``: what is installed, which activation door would fire, whether the hook
+target resolves in the installed vLLM, which upstream warmups it already has, and the
+configuration in force. Works on a machine without a GPU."""
+from __future__ import annotations
+
+import glob
+import importlib.metadata as md
+import json
+import os
+import platform
+import site
+import sys
+import time
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(getattr(site, "getsitepackages", lambda: [])())
+    user = getattr(site, "getusersitepackages", lambda: None)()
+    return [d for d in dirs + ([user] if user else []) if d and os.path.isdir(d)]
+
+
+def doors(enabled: bool) -> dict:
+    from kwarm_ext.cli import bootstrap_dir
+
+    pth = [p for d in _site_dirs() for p in glob.glob(os.path.join(d, "kwarm-ext.pth"))]
+    boot = bootstrap_dir()
+    on_path = boot in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kwarm"]
+    plugins = os.environ.get("VLLM_PLUGINS")
+    plugin_allowed = plugins is None or "kwarm" in [p.strip() for p in plugins.split(",")]
+    return {
+        ".pth": {"installed": bool(pth), "path": pth[0] if pth else None, "would_fire": bool(pth) and enabled},
+        "kwarm run (sitecustomize)": {"installed": os.path.isfile(os.path.join(boot, "sitecustomize.py")),
+                                      "path": boot, "would_fire": on_path and enabled,
+                                      "note": None if on_path else "fires under `kwarm run` only"},
+        "vllm.general_plugins": {"installed": bool(eps), "path": eps[0].value if eps else None,
+                                 "would_fire": bool(eps) and enabled and plugin_allowed,
+                                 "note": None if plugin_allowed else f"VLLM_PLUGINS={plugins!r} excludes kwarm"},
+    }
+
+
+def hook_target() -> dict:
+    from kwarm_ext.patches import TARGET_ATTRIBUTE, TARGET_MODULE, is_patched
+
+    out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False}
+    t0 = time.perf_counter()
+    try:
+        import importlib
+
+        module = importlib.import_module(TARGET_MODULE)
+        out["found"] = getattr(module, TARGET_ATTRIBUTE, None) is not None
+        out["patched"] = is_patched(module)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["import_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def collect() -> dict:
+    from kwarm_ext import __version__, activation, config
+    from kwarm_ext.families import FAMILIES
+    from kwarm_ext.upstream import UPSTREAM_WARMUPS, detect
+
+    settings = config.parse()
+    report = {
+        "kwarm": __version__,
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "triton": _version("triton"), "vllm": _version("vllm"), "wrapt": _version("wrapt")},
+        "enabled": settings.enable, "active_in_this_process": activation.is_active(),
+        "doors": doors(settings.enable),
+        "hook_target": hook_target() if _version("vllm") else {"found": False, "error": "vllm is not installed"},
+        "upstream_warmups": {},
+        "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
+                         "forced": n in settings.warmups.forced} for n, f in FAMILIES.items()},
+        "config": settings.as_dict(), "config_problems": list(settings.problems),
+    }
+    if _version("vllm"):
+        try:
+            found = detect()
+            report["upstream_warmups"] = {n: {"present": found[n], "covers": UPSTREAM_WARMUPS[n][1],
+                                              "releases": UPSTREAM_WARMUPS[n][2]} for n in found}
+        except Exception as exc:
+            report["upstream_warmups"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return report
+
+
+def render(r: dict) -> str:
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    lines = [f"kwarm {r['kwarm']}: {'enabled' if r['enabled'] else 'disabled (KWARM_ENABLE is not set)'}", "",
+             "versions:"]
+    lines += [f"  {k:8s} {v or 'not installed'}" for k, v in r["versions"].items()]
+    lines += ["", "activation doors:"]
+    for name, d in r["doors"].items():
+        note = f"  ({d['note']})" if d.get("note") else ""
+        lines.append(f"  {name:28s} installed={yes(d['installed'])} would_fire={yes(d['would_fire'])}{note}")
+    h = r["hook_target"]
+    lines += ["", f"hook target: {h.get('module')}.{h.get('attribute')} found={yes(h.get('found'))} "
+                  f"patched={yes(h.get('patched'))}" + (f"  error: {h['error']}" if h.get("error") else "")]
+    lines += ["", "upstream warmups in this vLLM:"]
+    for name, u in r["upstream_warmups"].items():
+        if isinstance(u, dict):
+            lines.append(f"  {name:26s} {'present' if u['present'] else 'absent ':8s} {u['covers']} [{u['releases']}]")
+        else:
+            lines.append(f"  {name}: {u}")
+    lines += ["", "families:"]
+    for name, f in r["families"].items():
+        state = "forced" if f["forced"] else ("selected" if f["selected"] else "disabled")
+        lines.append(f"  {name:12s} {state:9s} {f['summary']}")
+    lines += ["", "configuration:"] + [f"  {k:16s} {v}" for k, v in r["config"].items()]
+    lines += [f"  problem: {p}" for p in r["config_problems"]]
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    report = collect()
+    print(json.dumps(report, indent=1, default=str) if as_json else render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--json" in sys.argv))

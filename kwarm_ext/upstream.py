@@ -1,0 +1,48 @@
+"""Upstream vLLM's own kernel warmups, as data: which release has which, found by presence.
+
+kwarm fills the gaps these leave and does not repeat what they cover (see each family).
+Detection imports the named module (vLLM is already imported at warmup time); it never
+compares version strings.
+"""
+from __future__ import annotations
+
+# name -> (candidate "module:attr" locations, what it warms, releases seen)
+UPSTREAM_WARMUPS = {
+    "qwen_triton_warmup": (
+        ("vllm.model_executor.warmup.qwen_triton_warmup:qwen_triton_warmup",),
+        "Qwen GDN: conv1d fwd, post-conv, sigmoid gating (and zero-KV/slot mapping until 0.26)",
+        "0.25+ (PR #46750)"),
+    "sparse_mla_triton_warmup": (
+        ("vllm.model_executor.warmup.sparse_mla_triton_warmup:sparse_mla_triton_warmup_if_needed",
+         "vllm.model_executor.warmup.sparse_mla_triton_warmup:sparse_mla_triton_warmup"),
+        "DSA indexer prefill chunk metadata (8 keys), sparse-SWA metadata",
+        "0.25-0.29 (PR #47285)"),
+    "v1_block_table_warmup": (
+        ("vllm.model_executor.warmup.v1_block_table_warmup:warm_v1_block_table_kernels",),
+        "slot mapping on a fresh BlockTable (other strides than the runner's)", "0.25-0.28"),
+    "kv_block_zeroer_warmup": (
+        ("vllm.v1.worker.utils:KVBlockZeroer.warmup",),
+        "zero-KV-blocks kernel (n_blocks not specialized from 0.27)", "0.27+"),
+    "jit_warmup_registry": (
+        ("vllm.model_executor.warmup.jit_warmup:VllmJitKernel",),
+        "per-kernel compile-key registry (gated by kernel_config.enable_jit_warmup)", "0.27+"),
+    "mamba_triton_warmup": (
+        ("vllm.model_executor.warmup.mamba_triton_warmup",),
+        "mamba align-mode batch_memcpy", "0.30+"),
+}
+
+
+def present(name: str) -> bool:
+    """Whether the installed vLLM has upstream warmup `name` (a key of UPSTREAM_WARMUPS)."""
+    from kwarm_ext.vllm_compat import has, module_exists
+
+    for cand in UPSTREAM_WARMUPS[name][0]:
+        if ":" in cand and has(cand):
+            return True
+        if ":" not in cand and module_exists(cand):
+            return True
+    return False
+
+
+def detect() -> dict:
+    return {name: present(name) for name in UPSTREAM_WARMUPS}

@@ -1,0 +1,62 @@
+"""KWARM_* parsing: every bad value gets one warning naming the variable, the value and the default."""
+from __future__ import annotations
+
+import pytest
+
+from kwarm_ext import config
+
+KNOWN = ("runner", "qwen_gdn", "dsa_indexer")
+
+
+def parse(**env):
+    return config.parse(env, known_families=KNOWN)
+
+
+def test_defaults():
+    s = parse()
+    assert (s.enable, s.strict, s.log_level, s.report, s.problems) == (False, False, "INFO", None, ())
+    assert all(s.warmups.wants(n) for n in KNOWN) and not s.warmups.forced
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", " On "])
+def test_enable_truthy(value):
+    assert parse(KWARM_ENABLE=value).enable is True
+    assert config.is_enabled({"KWARM_ENABLE": value}) is True
+
+
+@pytest.mark.parametrize("var, value, expect", [
+    ("KWARM_ENABLE", "maybe", "KWARM_ENABLE='maybe' is invalid (expected one of 1/true/yes/on or 0/false/no/off); using the default '0'"),
+    ("KWARM_STRICT", "2", "KWARM_STRICT='2' is invalid (expected one of 1/true/yes/on or 0/false/no/off); using the default '0'"),
+    ("KWARM_LOG_LEVEL", "LOUD", "KWARM_LOG_LEVEL='LOUD' is invalid (expected one of DEBUG, INFO, WARNING, ERROR); using the default 'INFO'"),
+    ("KWARM_WARMUPS", "bogus", "KWARM_WARMUPS='bogus' is invalid (unknown family bogus; known: runner, qwen_gdn, dsa_indexer); using the default '*'"),
+    ("KWARM_REPORT", "/", "KWARM_REPORT='/' is invalid (it is a directory; give a file path); using the default None"),
+])
+def test_bad_values_each_get_one_clear_problem(var, value, expect):
+    s = parse(**{var: value})
+    assert s.problems == (expect,)
+
+
+def test_bad_values_are_logged_once_when_settings_load(kwarm_env, kwarm_log):
+    kwarm_env(KWARM_ENABLE="1", KWARM_LOG_LEVEL="loud", KWARM_STRICT="sure")
+    config.get()
+    config.get()
+    warnings = kwarm_log.messages()
+    assert len(warnings) == 2
+    assert any("KWARM_LOG_LEVEL='loud'" in w for w in warnings)
+    assert any("KWARM_STRICT='sure'" in w for w in warnings)
+
+
+def test_warmups_selection():
+    only = parse(KWARM_WARMUPS="qwen_gdn").warmups
+    assert only.wants("qwen_gdn") and not only.wants("runner") and only.forced == {"qwen_gdn"}
+    but = parse(KWARM_WARMUPS="-runner").warmups
+    assert not but.wants("runner") and but.wants("qwen_gdn") and not but.forced
+    star = parse(KWARM_WARMUPS="*,-dsa_indexer,runner").warmups
+    assert star.wants("qwen_gdn") and not star.wants("dsa_indexer") and star.forced == {"runner"}
+    assert star.describe() == "*,runner,-dsa_indexer"
+
+
+def test_partly_bad_warmups_keep_the_good_part():
+    s = parse(KWARM_WARMUPS="qwen_gdn,nope")
+    assert s.warmups.wants("qwen_gdn") and not s.warmups.wants("runner")
+    assert len(s.problems) == 1 and "nope" in s.problems[0]

@@ -1,0 +1,62 @@
+"""``kwarm doctor`` on this CPU machine, against the installed vLLM and other releases' files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, run_py
+
+DOCTOR_JSON = "import sys; from kwarm_ext import cli; sys.exit(cli.main(['doctor', '--json']))"
+
+
+def doctor(env, release=None):
+    proc = run_py(DOCTOR_JSON, env=env, release=release)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def test_doctor_reports_installed_doors_and_hook_target():
+    r = doctor(clean_env(KWARM_ENABLE="1", KWARM_WARMUPS="qwen_gdn,-runner", CUDA_VISIBLE_DEVICES=""))
+    assert r["versions"]["vllm"] == "0.24.0" and r["versions"]["triton"] and r["versions"]["torch"]
+    assert r["doors"][".pth"]["installed"] and r["doors"][".pth"]["would_fire"]
+    assert r["doors"]["vllm.general_plugins"]["would_fire"]
+    assert r["doors"]["kwarm run (sitecustomize)"]["would_fire"] is False  # not under `kwarm run`
+    assert r["hook_target"]["found"] is True and r["hook_target"]["patched"] is True
+    assert not any(u["present"] for u in r["upstream_warmups"].values())  # 0.24 has none of them
+    assert r["families"]["qwen_gdn"]["forced"] and not r["families"]["runner"]["selected"]
+    assert r["config"]["KWARM_WARMUPS"] == "qwen_gdn,-runner"
+
+
+def test_doctor_disabled_and_filtered():
+    r = doctor(clean_env(VLLM_PLUGINS="other", KWARM_LOG_LEVEL="chatty", CUDA_VISIBLE_DEVICES=""))
+    assert r["enabled"] is False and not any(d["would_fire"] for d in r["doors"].values())
+    assert "excludes kwarm" in r["doors"]["vllm.general_plugins"]["note"]
+    assert r["hook_target"]["patched"] is False
+    assert r["config_problems"] == ["KWARM_LOG_LEVEL='chatty' is invalid (expected one of DEBUG, INFO, "
+                                    "WARNING, ERROR); using the default 'INFO'"]
+
+
+@pytest.mark.parametrize("release, present", [
+    ("0.20.0", set()),
+    ("0.26.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup"}),
+    ("0.28.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup",
+                "kv_block_zeroer_warmup", "jit_warmup_registry"}),
+])
+def test_doctor_finds_upstream_warmups_per_release(release, present):
+    r = doctor(clean_env(CUDA_VISIBLE_DEVICES=""), release=release)
+    assert r["versions"]["vllm"] is not None
+    assert r["hook_target"]["found"] is True
+    assert {n for n, u in r["upstream_warmups"].items() if u["present"]} == present
+
+
+def test_doctor_text_and_help():
+    kwarm = Path(sys.executable).parent / "kwarm"
+    text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True, env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert text.returncode == 0
+    assert "hook target: vllm.v1.worker.gpu_worker.kernel_warmup found=yes" in text.stdout
+    help_ = subprocess.run([str(kwarm), "--help"], capture_output=True, text=True, env=clean_env())
+    assert "kwarm run" in help_.stdout and "KWARM_WARMUPS" in help_.stdout

@@ -1,0 +1,164 @@
+"""The three activation doors, each in fresh interpreters, and the cost of being off."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import timeit
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, clean_env, run_py
+
+HEAVY = ("kwarm_ext", "wrapt", "torch", "vllm", "triton")
+PROBE = """
+import sys, json
+print(json.dumps({m: m in sys.modules for m in %r}))
+""" % (HEAVY,)
+ACTIVE = """
+import sys, json
+from kwarm_ext import activation
+print(json.dumps({"active": activation.is_active(), "sources": activation.SOURCES,
+                  "heavy": [m for m in ("torch", "vllm", "triton") if m in sys.modules]}))
+"""
+
+
+def last_json(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(out), str(REPO)], check=True, capture_output=True)
+    return next(out.glob("kwarm_ext-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory, wheel):
+    """A new venv with only the wheel (and wrapt, its one dependency) installed."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return py
+
+
+def test_wheel_layout(wheel):
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kwarm-ext.pth" in names  # at the root of site-packages
+    assert "kwarm_ext/_bootstrap/sitecustomize.py" in names
+    assert "kwarm_ext/kernels/__init__.py" in names
+    assert not any(n.startswith(("kernels/", "sitecustomize")) for n in names)  # no top-level squatting
+    meta = next(n for n in names if n.endswith("METADATA"))
+    requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+                if l.startswith("Requires-Dist") and "extra ==" not in l]
+    assert [r.split(":")[1].split(">")[0].split("=")[0].strip() for r in requires] == ["wrapt"]
+
+
+def test_pth_door_in_a_fresh_venv(fresh_venv):
+    off = last_json(run_py(PROBE, env=clean_env(), python=str(fresh_venv)))
+    assert off == {m: False for m in HEAVY}
+    on = last_json(run_py(ACTIVE, env=clean_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
+    # a venv's lib64 -> lib link can make site run the .pth twice: activation is idempotent
+    assert on["active"] is True and set(on["sources"]) == {".pth"} and on["heavy"] == []
+    # KWARM_ENABLE set but false: the line imports kwarm_ext, which stays off
+    zero = last_json(run_py(ACTIVE, env=clean_env(KWARM_ENABLE="0"), python=str(fresh_venv)))
+    assert zero["active"] is False
+
+
+def test_disabled_means_free_in_the_test_venv():
+    assert last_json(run_py(PROBE, env=clean_env())) == {m: False for m in HEAVY}
+
+
+def test_pth_line_costs_under_a_millisecond(fresh_venv):
+    proc = run_py("pass", env=clean_env(), args=("-X", "importtime"), python=str(fresh_venv))
+    imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert not [m for m in imported if m.split(".")[0] in HEAVY]
+    line = (REPO / "kwarm_ext" / "kwarm-ext.pth").read_text().strip()
+    env_before = os.environ.pop("KWARM_ENABLE", None)
+    try:
+        per_call = min(timeit.repeat(lambda: exec(line, {}), number=1000, repeat=5)) / 1000
+    finally:
+        if env_before is not None:
+            os.environ["KWARM_ENABLE"] = env_before
+    assert per_call < 1e-3, f"the .pth line took {per_call * 1e3:.3f} ms"
+
+
+def test_kwarm_run_door_chains_user_sitecustomize(tmp_path):
+    user = tmp_path / "usersite"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE_RAN = True\n")
+    code = ACTIVE.replace('"active"', '"user": getattr(__import__("builtins"), "USER_SITECUSTOMIZE_RAN", False), "active"')
+    kwarm = Path(sys.executable).parent / "kwarm"
+    proc = subprocess.run([str(kwarm), "run", "--", sys.executable, "-c", code], capture_output=True, text=True,
+                          env=clean_env(PYTHONPATH=str(user)), timeout=120)
+    result = last_json(proc)
+    assert result["user"] is True
+    assert result["active"] is True and "sitecustomize" in result["sources"]
+    assert result["heavy"] == []
+
+
+def test_kwarm_run_without_command_explains():
+    kwarm = Path(sys.executable).parent / "kwarm"
+    proc = subprocess.run([str(kwarm), "run"], capture_output=True, text=True, env=clean_env())
+    assert proc.returncode == 2 and "no command given" in proc.stderr
+
+
+def test_plugin_door_through_vllms_loader():
+    code = """
+    import os, json
+    os.environ["KWARM_ENABLE"] = "1"   # after startup, so the .pth door stays shut
+    from vllm.plugins import load_general_plugins
+    load_general_plugins(); load_general_plugins()
+    import vllm.v1.worker.gpu_worker as g
+    from kwarm_ext import activation, patches
+    print(json.dumps({"sources": activation.SOURCES, "patched": patches.is_patched(g)}))
+    """
+    result = last_json(run_py(code, env=clean_env(CUDA_VISIBLE_DEVICES="")))
+    assert result == {"sources": ["plugin"], "patched": True}
+
+
+def test_plugin_respects_vllm_plugins_filter():
+    code = """
+    import os, json
+    os.environ["KWARM_ENABLE"] = "1"
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from kwarm_ext import activation
+    print(json.dumps(activation.SOURCES))
+    """
+    assert last_json(run_py(code, env=clean_env(CUDA_VISIBLE_DEVICES="", VLLM_PLUGINS="other"))) == []
+
+
+def test_spawn_child_inherits_activation():
+    code = """
+    import json, multiprocessing as mp
+
+    def child(q):
+        from kwarm_ext import activation
+        q.put({"active": activation.is_active(), "sources": activation.SOURCES})
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(q,))
+        p.start(); got = q.get(timeout=60); p.join(60)
+        print(json.dumps(got))
+    """
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kwarm_spawn_{os.getpid()}.py"
+    path.write_text(__import__("textwrap").dedent(code))
+    try:
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                              env=clean_env(KWARM_ENABLE="1"))
+    finally:
+        path.unlink()
+    got = last_json(proc)
+    assert got["active"] is True and set(got["sources"]) == {".pth"}

@@ -1,0 +1,107 @@
+"""The kernel_warmup hook against the real ``vllm.v1.worker.gpu_worker``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import wrapt
+
+from conftest import MATRIX, clean_env, run_py
+
+gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
+
+
+@pytest.fixture
+def unpatched():
+    from kwarm_ext import patches
+
+    patches.unpatch(gpu_worker)
+    yield gpu_worker
+    patches.unpatch(gpu_worker)
+
+
+def test_patch_wraps_the_real_attribute_once(unpatched):
+    from vllm.model_executor.warmup import kernel_warmup as defining_module
+
+    from kwarm_ext import patches
+
+    assert patches.patch(gpu_worker) is True
+    assert isinstance(gpu_worker.kernel_warmup, wrapt.FunctionWrapper)
+    assert gpu_worker.kernel_warmup.__wrapped__ is defining_module.kernel_warmup
+    assert patches.patch(gpu_worker) is False  # a second patch does not double-wrap
+    assert gpu_worker.kernel_warmup.__wrapped__ is defining_module.kernel_warmup
+    assert patches.unpatch(gpu_worker) is True
+    assert gpu_worker.kernel_warmup is defining_module.kernel_warmup
+
+
+def test_wrapper_calls_original_first_then_kwarm(unpatched, monkeypatch):
+    # vLLM's real kernel_warmup needs a GPU worker; a recording stand-in takes its place
+    # at the same attribute so that the order and the pass-through can be observed.
+    from kwarm_ext import patches, warmup
+
+    calls = []
+
+    def original(worker, *, process_local_only=False):
+        calls.append(("vllm", worker, process_local_only))
+        return "vllm-result"
+
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", original)
+    monkeypatch.setattr(warmup, "run", lambda worker: calls.append(("kwarm", worker)))
+    patches.patch(gpu_worker)
+    assert gpu_worker.kernel_warmup("W", process_local_only=True) == "vllm-result"
+    assert calls == [("vllm", "W", True), ("kwarm", "W")]
+
+
+def test_original_exception_propagates_and_kwarm_does_not_run(unpatched, monkeypatch):
+    from kwarm_ext import patches, warmup
+
+    ran = []
+
+    def original(worker):
+        raise ValueError("vLLM's own failure")
+
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", original)
+    monkeypatch.setattr(warmup, "run", lambda worker: ran.append(worker))
+    patches.patch(gpu_worker)
+    with pytest.raises(ValueError, match="vLLM's own failure"):
+        gpu_worker.kernel_warmup("W")
+    assert ran == []
+
+
+IMPORT_ORDER = """
+import os, sys, json
+order = sys.argv[1]
+if order == "before":
+    import vllm.v1.worker.gpu_worker as g
+    assert "kwarm_ext.activation" not in sys.modules
+os.environ["KWARM_ENABLE"] = "1"
+import kwarm_ext
+first = kwarm_ext.activate("test")
+second = kwarm_ext.activate("test")
+import vllm.v1.worker.gpu_worker as g
+from vllm.model_executor.warmup import kernel_warmup as real
+from kwarm_ext import patches
+print(json.dumps({"active": [first, second], "patched": patches.is_patched(g),
+                  "inner_is_real": g.kernel_warmup.__wrapped__ is real.kernel_warmup}))
+"""
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_activation_wraps_whether_gpu_worker_is_imported_before_or_after(order):
+    proc = run_py(IMPORT_ORDER.replace("sys.argv[1]", repr(order)), env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # patched once: __wrapped__ is the real function, not another wrapper
+    assert result == {"active": [True, True], "patched": True, "inner_is_real": True}
+
+
+@pytest.mark.parametrize("release", [v for v in MATRIX if v != "0.24.0"] + ["0.33.0"])
+def test_hook_target_exists_and_wraps_in_each_release(release):
+    code = """
+    import json, vllm, vllm.v1.worker.gpu_worker as g
+    from kwarm_ext import patches
+    print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g)}))
+    """
+    proc = run_py(code, env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""), release=release)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True}
