@@ -60,3 +60,11 @@ def test_partly_bad_warmups_keep_the_good_part():
     s = parse(KWARM_WARMUPS="qwen_gdn,nope")
     assert s.warmups.wants("qwen_gdn") and not s.warmups.wants("runner")
     assert len(s.problems) == 1 and "nope" in s.problems[0]
+
+
+def test_readme_configuration_table_matches_the_variables():
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for name, doc in config.VARIABLES.items():
+        assert f"| `{name}` | {doc} |" in readme, f"README's table is out of date for {name}"
