@@ -1,0 +1,527 @@
+#!/usr/bin/env python3
+"""Engine benchmark: first-request Triton JIT in a real vLLM engine, with or without kwarm.
+
+    python bench/engine_bench.py bench/models/tiny-qwen3-next --kwarm on --attention-backend TRITON_ATTN
+    python bench/engine_bench.py bench/models/tiny-deepseek-v32 --kwarm off --scenario smoke
+
+Starts ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so Triton's
+compile hook sees the worker's compiles) on a tiny random-weight model, sends a fixed
+scenario of ``generate`` calls and records, per request: wall time, the Triton
+compilations during it (kernel and key) and new DeepGEMM JIT cache entries. Also engine
+init seconds, the Triton compiles during init, and kwarm's warmup from its KWARM_REPORT.
+Writes one JSON file (schema in bench/README.md) and prints the table (bench/table.py).
+
+Caches (``--triton-cache``):
+- ``fresh`` (default): a new empty temp dir as TRITON_CACHE_DIR. Unless you set them,
+  VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR get fresh dirs next to it too: vLLM's
+  torch.compile cache lives there, and vLLM's Inductor adaptor *re-points*
+  TRITON_CACHE_DIR into VLLM_CACHE_ROOT/torch_compile_cache/... during init, so the
+  Triton kernels compiled after that land under VLLM_CACHE_ROOT. The dirs are kept; the
+  script prints the command that starts again on them (a warm run).
+- ``reuse``: keep the environment's caches as they are.
+- ``<dir>``: TRITON_CACHE_DIR=<dir>; for a warm rerun give it the VLLM_CACHE_ROOT of the
+  first run too.
+The result says ``cold`` when the Triton cache and VLLM_CACHE_ROOT were empty at start,
+else ``warm``.
+
+Only argument parsing and the scenario live at module level: vLLM, torch and Triton are
+imported inside :func:`main`, after the environment is set.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import table  # noqa: E402  (bench/table.py, standard library only)
+
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+OPTIONAL_ENGINE_ARGS = ("jit_monitor_verbose",)  # dropped when this vLLM's EngineArgs lacks them
+
+
+# ------------------------------------------------------------------------- scenario
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One measured call. `mixed`: (batch, len) prompts added once this request's own
+    prompts are decoding, so that one engine step holds decodes and a prefill."""
+
+    label: str
+    batch: int
+    length: int
+    max_tokens: int = 16
+    repeat_of: int | None = None
+    seed: int = 0
+    mixed: tuple[int, int] | None = None
+
+
+def prompt_ids(batch: int, length: int, seed: int) -> list[dict]:
+    """`batch` token-id prompts of `length` tokens (ids 10..4009, inside both vocabularies).
+
+    seed 0 gives exactly smoke.py's prompts. The default scenario gives every request its
+    own seed, so a repeat has the same shapes but different tokens and no prefix-cache hit
+    (a hit would make the repeat a shorter, different computation).
+    """
+    return [{"prompt_token_ids": [(7 * j + 3 * k + 131 * seed) % 4000 + 10 for k in range(length)]}
+            for j in range(batch)]
+
+
+def build_scenario(name: str) -> list[Request]:
+    if name == "smoke":
+        # gpu-baseline.md's five requests, same prompts as gpu-kit/smoke.py (the repeats are
+        # identical prompts there, so they may hit the prefix cache; kept for comparability).
+        return [Request("1x200", 1, 200), Request("1x200 (repeat)", 1, 200, repeat_of=0),
+                Request("4x333", 4, 333), Request("4x333 (repeat)", 4, 333, repeat_of=2),
+                Request("1x37", 1, 37)]
+    if name == "default":
+        return [
+            # single prefills over the integer classes Triton specializes on (%16, ==1, other)
+            Request("prefill 1x200", 1, 200, seed=1),
+            Request("prefill 1x200 (repeat)", 1, 200, repeat_of=0, seed=2),
+            Request("prefill 1x37", 1, 37, seed=3),
+            Request("prefill 1x16", 1, 16, seed=4),
+            Request("prefill 1x1", 1, 1, seed=5),
+            # batched prefill
+            Request("prefill 4x333", 4, 333, seed=6),
+            Request("prefill 4x333 (repeat)", 4, 333, repeat_of=5, seed=7),
+            # decode-heavy: 63 decode steps at batch 8, then at batch 3 (another graph size)
+            Request("decode 8x8 +64", 8, 8, max_tokens=64, seed=8),
+            Request("decode 8x8 +64 (repeat)", 8, 8, max_tokens=64, repeat_of=7, seed=9),
+            Request("decode 3x5 +64", 3, 5, max_tokens=64, seed=10),
+            # one step with 2 decodes + a 2x300 prefill (see run_mixed)
+            Request("mixed 2x8 decoding + 2x300 prefill", 2, 8, max_tokens=64, seed=11, mixed=(2, 300)),
+            Request("mixed 2x8 decoding + 2x300 prefill (repeat)", 2, 8, max_tokens=64,
+                    repeat_of=10, seed=12, mixed=(2, 300)),
+        ]
+    raise ValueError(f"unknown scenario {name!r}")
+
+
+SCENARIOS = ("default", "smoke")
+
+
+# ------------------------------------------------------------------------ arguments
+
+def parse_bytes(text: str | None) -> int | None:
+    """'4G' -> 4 GiB; '512M'; plain integers are bytes."""
+    if text is None or text == "":
+        return None
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="model config folder (or a name under bench/models/)")
+    p.add_argument("--kwarm", choices=("on", "off"), default="on")
+    p.add_argument("--scenario", choices=SCENARIOS, default="default")
+    p.add_argument("--triton-cache", default="fresh", metavar="fresh|reuse|DIR")
+    p.add_argument("--out", help="result JSON (default bench/results/<model>-vllm<ver>-kwarm<on|off>-<cold|warm>.json)")
+    p.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN (default: vLLM's choice)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cudagraph", choices=("on", "off"), default="on",
+                   help="off: compilation_config={'cudagraph_mode': 'NONE'}")
+    p.add_argument("--gdn-prefill-backend", default="triton",
+                   help="additional_config gdn_prefill_backend for GDN models; 'default' leaves vLLM's")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-memory-bytes", default=None,
+                   help="e.g. 4G: fixed KV cache size, skips vLLM's memory accounting (needed when "
+                        "several engines start on one GPU at once)")
+    return p.parse_args(argv)
+
+
+def resolve_model(arg: str) -> Path:
+    path = Path(arg)
+    if not path.is_dir() and (HERE / "models" / arg).is_dir():
+        path = HERE / "models" / arg
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"engine_bench: {arg}: no config.json there")
+    return path.resolve()
+
+
+def is_gdn_model(cfg: dict) -> bool:
+    return cfg.get("model_type") in GDN_MODEL_TYPES or "linear_conv_kernel_dim" in cfg
+
+
+def engine_kwargs(args: argparse.Namespace, model_path: Path, cfg: dict) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for `args` (vLLM 0.24 signature)."""
+    kw = dict(model=str(model_path), load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              jit_monitor_verbose=True)  # vLLM logs every request-time compile with its key
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
+    if args.cudagraph == "off":
+        kw["compilation_config"] = {"cudagraph_mode": "NONE"}
+    if is_gdn_model(cfg) and args.gdn_prefill_backend not in (None, "", "default"):
+        kw["additional_config"] = {"gdn_prefill_backend": args.gdn_prefill_backend}
+    kv_bytes = parse_bytes(args.kv_cache_memory_bytes)
+    if kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_bytes
+    return kw
+
+
+# ---------------------------------------------------------------------- environment
+
+def _entries(path) -> int:
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return 0
+
+
+def default_vllm_cache_root(env) -> str:
+    """vLLM's VLLM_CACHE_ROOT rule (envs.py), without importing vLLM."""
+    if env.get("VLLM_CACHE_ROOT"):
+        return os.path.expanduser(env["VLLM_CACHE_ROOT"])
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "vllm")
+
+
+def default_triton_cache(env) -> str:
+    if env.get("TRITON_CACHE_DIR"):
+        return env["TRITON_CACHE_DIR"]
+    home = env.get("TRITON_HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".triton", "cache")
+
+
+def prepare_env(args: argparse.Namespace, env=None, tmp_root=None) -> dict:
+    """Set the process environment for this run, before vLLM/Triton are imported.
+
+    Returns the cache description stored in the result. Never touches DG_JIT_CACHE_DIR
+    and keeps any VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR / KWARM_REPORT the user set.
+    """
+    env = os.environ if env is None else env
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: our hook sees its compiles
+    cache = {"mode": args.triton_cache, "fresh_root": None}
+    if args.triton_cache == "fresh":
+        root = tempfile.mkdtemp(prefix="kwarm-bench-", dir=tmp_root)
+        cache["fresh_root"] = root
+        env["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+        env.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "vllm"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    elif args.triton_cache != "reuse":
+        env["TRITON_CACHE_DIR"] = os.path.abspath(args.triton_cache)
+        cache["mode"] = "dir"
+    cache["triton_dir"] = default_triton_cache(env)
+    cache["vllm_cache_root"] = default_vllm_cache_root(env)
+    cache["triton_entries_at_start"] = _entries(cache["triton_dir"])
+    cache["vllm_entries_at_start"] = _entries(cache["vllm_cache_root"])
+    cache["inductor_dir"] = env.get("TORCHINDUCTOR_CACHE_DIR")
+    cache["label"] = "warm" if cache["triton_entries_at_start"] or cache["vllm_entries_at_start"] else "cold"
+    if cache["mode"] != "reuse":
+        os.makedirs(cache["triton_dir"], exist_ok=True)
+
+    if args.kwarm == "on":
+        env["KWARM_ENABLE"] = "1"
+        if not env.get("KWARM_REPORT"):
+            fd, path = tempfile.mkstemp(prefix="kwarm-report-", suffix=".json", dir=tmp_root)
+            os.close(fd)
+            os.unlink(path)  # kwarm writes it; its absence afterwards means the warmup never ran
+            env["KWARM_REPORT"] = path
+    else:
+        env["KWARM_ENABLE"] = "0"
+    return cache
+
+
+def activate_kwarm(mode: str) -> dict:
+    """Make sure kwarm is on (or off) before vLLM is imported; returns what was found."""
+    mod = sys.modules.get("kwarm_ext")
+    if mode == "off":
+        act = sys.modules.get("kwarm_ext.activation")
+        if act is not None and act.is_active():
+            raise SystemExit("engine_bench: kwarm was activated at startup (KWARM_ENABLE exported?); "
+                             "unset KWARM_ENABLE for --kwarm off")
+        return {"active": False, "doors": []}
+    try:
+        import kwarm_ext
+        from kwarm_ext import activation, config
+    except ImportError as exc:
+        raise SystemExit(f"engine_bench: --kwarm on but kwarm_ext is not importable: {exc}")
+    if mod is not None:
+        config.reset()  # the .pth door parsed KWARM_* before this script set KWARM_REPORT
+    try:
+        # The plugin door fires inside vLLM; .pth only when KWARM_ENABLE was set at startup.
+        # This covers neither firing (e.g. a --target install without entry points).
+        kwarm_ext.activate("bench")
+    except Exception as exc:
+        print(f"engine_bench: kwarm_ext.activate failed: {exc!r}", file=sys.stderr)
+    return {"active": activation.is_active(), "doors": list(activation.SOURCES),
+            "version": getattr(kwarm_ext, "__version__", None), "file": kwarm_ext.__file__}
+
+
+# ------------------------------------------------------------------------ measuring
+
+class JitCounter:
+    """A ``jit_post_compile_hook`` that records each in-memory compile and calls the hook
+    it replaced (vLLM's JIT monitor chains the same slot and raises in its error mode:
+    the chained call is not guarded, to stay faithful)."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.enabled = True
+        self.prev = None
+        self.hook = None
+
+    def install(self):
+        from triton import knobs
+
+        self.prev = knobs.runtime.jit_post_compile_hook
+        prev = self.prev
+
+        def hook(**kwargs):
+            if self.enabled:
+                try:
+                    fn = kwargs.get("fn")
+                    self.events.append({"name": str(getattr(fn, "name", "?")),
+                                        "module": str(getattr(fn, "module", "?")),
+                                        "key": str(kwargs.get("key"))})
+                except Exception:
+                    pass
+            if prev is not None:
+                return prev(**kwargs)
+            return None
+
+        self.hook = hook
+        knobs.runtime.jit_post_compile_hook = hook
+        return self
+
+
+def deepgemm_dir(vllm_cache_root: str) -> str:
+    """Where DeepGEMM JITs: DG_JIT_CACHE_DIR, which vLLM sets (utils/deep_gemm.py, at its
+    lazy init) to $VLLM_CACHE_ROOT/deep_gemm when unset. Read only."""
+    return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(vllm_cache_root, "deep_gemm")
+
+
+def deepgemm_entries(root: str) -> set[str]:
+    """DeepGEMM's compiled kernels: directories named kernel.<name>.<hash> anywhere below root."""
+    found = set()
+    if not os.path.isdir(root):
+        return found
+    for dirpath, dirnames, _ in os.walk(root):
+        for d in dirnames:
+            if d.startswith("kernel."):
+                found.add(os.path.relpath(os.path.join(dirpath, d), root))
+    return found
+
+
+def sampling(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def run_mixed(llm, req: Request, tag: str) -> int:
+    """A step holding decodes and a prefill: requests added while others decode.
+
+    V1's scheduler (chunked prefill always on) schedules the running requests' decode
+    tokens first and fills the rest of the step's token budget with waiting prefills. So:
+    queue the short prompts, step the engine twice (their prefill, then a decode: with
+    async scheduling the first call may only launch the prefill), then queue the long
+    prompts; the next step holds 2 decode tokens and the 600 prefill tokens. Submitting
+    short and long prompts together in one ``generate`` would not do it: both fit the
+    first step's token budget, are prefilled together, and then only decode.
+    Returns the number of engine steps.
+    """
+    engine = llm.llm_engine
+    n, length = req.mixed
+    decoding = prompt_ids(req.batch, req.length, req.seed)
+    prefill = prompt_ids(n, length, req.seed + 1000)
+
+    def add(prompts, sp, part):
+        if hasattr(llm, "enqueue"):  # LLM's own rendering + request ids (0.24+)
+            llm.enqueue(prompts, sp, use_tqdm=False)
+        else:
+            for j, prompt in enumerate(prompts):
+                engine.add_request(f"{tag}-{part}{j}", prompt, sp)
+
+    add(decoding, sampling(req.max_tokens), "d")
+    steps = 0
+    for _ in range(2):
+        engine.step()
+        steps += 1
+    add(prefill, sampling(16), "p")
+    while engine.has_unfinished_requests() and steps < 10_000:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def run_request(llm, req: Request, i: int) -> dict:
+    steps = None
+    if req.mixed is None:
+        llm.generate(prompt_ids(req.batch, req.length, req.seed), sampling(req.max_tokens), use_tqdm=False)
+    else:
+        steps = run_mixed(llm, req, f"bench-{i}")
+    return {"steps": steps} if steps is not None else {}
+
+
+def _versions() -> dict:
+    import platform
+
+    import torch
+    import triton
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version()}
+
+
+def _jit_monitor_active():
+    for name in ("vllm.triton_utils.jit_monitor", "vllm.utils.jit_monitor"):
+        try:
+            mod = __import__(name, fromlist=["is_active"])
+            return bool(mod.is_active())
+        except Exception:
+            continue
+    return None
+
+
+def _count_names(events) -> list[dict]:
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e["name"]] = counts.get(e["name"], 0) + 1
+    return [{"name": k, "count": v} for k, v in sorted(counts.items())]
+
+
+def default_out(model: str, vllm_version: str, kwarm: str, label: str) -> Path:
+    return HERE / "results" / f"{model}-vllm{vllm_version}-kwarm{kwarm}-{label}.json"
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model_path = resolve_model(args.model)
+    cfg = json.loads((model_path / "config.json").read_text())
+    scenario = build_scenario(args.scenario)
+    kwargs = engine_kwargs(args, model_path, cfg)
+
+    started = time.time()
+    cache = prepare_env(args)
+    kwarm_state = activate_kwarm(args.kwarm)
+    dg_before_init = deepgemm_entries(deepgemm_dir(cache["vllm_cache_root"]))
+
+    t0 = time.perf_counter()
+    init_counter = JitCounter().install()  # before LLM(): kwarm's capture and vLLM's monitor chain it
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    import_s = time.perf_counter() - t0
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    for name in OPTIONAL_ENGINE_ARGS:
+        if name in kwargs and name not in fields:
+            kwargs.pop(name)
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - t0
+    init_counter.enabled = False
+
+    import torch
+
+    versions = _versions()
+    versions["kwarm"] = kwarm_state.get("version")
+    if args.kwarm == "on":  # the plugin door knocks inside LLM(): look again
+        from kwarm_ext import activation
+
+        kwarm_state.update(active=activation.is_active(), doors=list(activation.SOURCES))
+    cache["triton_dir_after_init"] = os.environ.get("TRITON_CACHE_DIR")
+    cache["deepgemm_dir"] = deepgemm_dir(cache["vllm_cache_root"])
+    dg_init_new = len(deepgemm_entries(cache["deepgemm_dir"]) - dg_before_init)
+
+    report = None
+    report_path = os.environ.get("KWARM_REPORT") if args.kwarm == "on" else None
+    if report_path:
+        try:
+            report = json.loads(Path(report_path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"engine_bench: no kwarm report at {report_path}: {exc}", file=sys.stderr)
+
+    requests: list[dict] = []
+    result = {
+        "schema": table.SCHEMA,
+        "model": model_path.name, "model_path": str(model_path),
+        "architectures": cfg.get("architectures"), "scenario": args.scenario,
+        "versions": versions, "gpu": torch.cuda.get_device_name(0),
+        "args": vars(args), "engine_kwargs": kwargs,
+        "kwarm": args.kwarm, "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
+        "cache": cache,
+        "import_s": round(import_s, 3), "init_s": round(init_s, 3),
+        "kwarm_warmup_s": report.get("total_s") if report else None,
+        "init_jit": len(init_counter.events), "init_kernels": _count_names(init_counter.events),
+        "deepgemm_init_new": dg_init_new,
+        "jit_monitor_active": _jit_monitor_active(),
+        "kwarm_report_path": report_path,
+        "kwarm_report_summary": table.summarize_report(report),
+        "kwarm_report": report,
+        "requests": requests,
+        "complete": False,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+    }
+    out = Path(args.out) if args.out else default_out(model_path.name, versions["vllm"], args.kwarm,
+                                                      cache["label"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write():
+        # Rewritten after init and after every request: a run cut short keeps what it measured.
+        result["total_jit"] = table.total_jit(result)
+        result["pairs"] = [{"first": f, "repeat": r, "ratio": table.pair_ratio(result, f)}
+                           for f, r in table.pairs(result)]
+        result["first_steady_ratio"] = table.first_steady_ratio(result)
+        result["wall_s"] = round(time.time() - started, 1)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        os.replace(tmp, out)
+
+    write()
+    print(f"engine_bench: init {init_s:.1f} s ({len(init_counter.events)} Triton JIT), "
+          f"kwarm warmup {result['kwarm_warmup_s']} s", flush=True)
+
+    counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
+    for i, req in enumerate(scenario):
+        dg_dir = deepgemm_dir(cache["vllm_cache_root"])
+        dg0 = deepgemm_entries(dg_dir)
+        n0 = len(counter.events)
+        t = time.perf_counter()
+        extra = run_request(llm, req, i)
+        s = time.perf_counter() - t
+        events = counter.events[n0:]
+        requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
+                         "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
+                         "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
+                         "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
+                         "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), **extra})
+        print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
+              f"{sorted({e['name'] for e in events})}", flush=True)
+        write()
+    result["complete"] = True
+    write()
+    print(f"engine_bench: wrote {out}")
+    print(f"engine_bench: request JIT {result['total_jit']}, "
+          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}")
+    if cache["fresh_root"]:
+        print(f"engine_bench: warm rerun: VLLM_CACHE_ROOT={cache['vllm_cache_root']} "
+              f"TORCHINDUCTOR_CACHE_DIR={cache['inductor_dir']} "
+              f"python {sys.argv[0]} {args.model} --kwarm {args.kwarm} --triton-cache {cache['triton_dir']}")
+    print()
+    print(table.render([result]))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: an in-process engine's threads can hang it, and the
+    # result is already written.
+    os._exit(code)

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Render engine_bench.py's result JSONs as the markdown tables of BENCHMARKS.md.
+
+    python bench/table.py bench/results/*.json            # full, with Triton keys
+    python bench/table.py --no-keys bench/results/*.json  # kernel names and counts only
+
+Standard library only (no vLLM, torch or Triton), so CI can test it on a recorded
+result. One table per (model, scenario); then, per run, the Triton kernels that still
+compiled during requests, each with the kwarm family that should own it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SCHEMA = "kwarm-engine-bench/1"
+
+# Kernel -> the kwarm family that should compile it at engine start. Anything not
+# listed (fused_moe_kernel, kernel_unified_attention, ...) is for learn-and-replay.
+OWNERS = {
+    "_causal_conv1d_fwd_kernel": "qwen_gdn",
+    "_causal_conv1d_update_kernel": "qwen_gdn",
+    "_fused_post_conv_kernel": "qwen_gdn",
+    "fused_sigmoid_gating_delta_rule_update_kernel": "qwen_gdn",
+    "fused_recurrent_gated_delta_rule_packed_decode_kernel": "qwen_gdn",
+    "layer_norm_fwd_kernel": "qwen_gdn",
+    "_compute_slot_mapping_kernel": "runner",
+    "_zero_kv_blocks_kernel": "runner",
+    "_build_prefill_chunk_metadata_kernel": "dsa_indexer",
+    "_convert_req_index_to_global_index_kernel": "dsa_indexer",
+}
+LEARN_AND_REPLAY = "learn-and-replay"
+
+
+def owner(kernel: str) -> str:
+    """The family that should own `kernel` (a Triton qualname; only its last part counts)."""
+    return OWNERS.get(kernel.rsplit(".", 1)[-1], LEARN_AND_REPLAY)
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load(paths) -> list[dict]:
+    """Load result files; files that are not bench results (kwarm reports, ...) are skipped."""
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"table.py: skipping {path}: {exc}", file=sys.stderr)
+            continue
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            print(f"table.py: skipping {path}: not an engine_bench result", file=sys.stderr)
+            continue
+        data.setdefault("_path", str(path))
+        runs.append(data)
+    return runs
+
+
+# ---------------------------------------------------------------------- derived values
+
+def pairs(run: dict) -> list[tuple[int, int]]:
+    """(first, repeat) request indices: each request whose repeat exists, with that repeat."""
+    return [(r["repeat_of"], r["i"]) for r in run["requests"] if r.get("repeat_of") is not None]
+
+
+def pair_ratio(run: dict, first: int) -> float | None:
+    """Time of request `first` / time of its repeat (None without a repeat or a zero time)."""
+    by_index = {r["i"]: r for r in run["requests"]}
+    for f, rep in pairs(run):
+        if f == first and by_index[rep]["s"] > 0:
+            return by_index[f]["s"] / by_index[rep]["s"]
+    return None
+
+
+def first_steady_ratio(run: dict) -> float | None:
+    """The headline ratio: request 0 / its repeat (request 1 in both scenarios)."""
+    return pair_ratio(run, 0)
+
+
+def total_jit(run: dict) -> int:
+    return sum(r["jit"] for r in run["requests"])
+
+
+def remaining(run: dict) -> list[dict]:
+    """Every compile seen during requests: {i, label, name, key, owner}."""
+    return [{"i": r["i"], "label": r["label"], "name": k["name"], "key": k.get("key", "?"),
+             "owner": owner(k["name"])}
+            for r in run["requests"] for k in r.get("kernels", [])]
+
+
+def owner_counts(run: dict) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in remaining(run):
+        counts[item["owner"]] = counts.get(item["owner"], 0) + 1
+    return counts
+
+
+def summarize_report(report: dict | None) -> dict | None:
+    """The part of kwarm's KWARM_REPORT that the tables use."""
+    if not report:
+        return None
+    families = []
+    for fam in report.get("families", []):
+        steps = fam.get("steps", [])
+        families.append({
+            "name": fam.get("name"), "status": fam.get("status"), "reason": fam.get("reason"),
+            "seconds": fam.get("seconds", 0.0), "steps": len(steps),
+            "steps_ran": sum(s.get("status") == "ran" for s in steps),
+            "steps_skipped": sum(s.get("status") == "skipped" for s in steps),
+            "steps_failed": sum(s.get("status") == "failed" for s in steps),
+            "compiled": len(fam.get("compiled", [])),
+        })
+    return {"total_s": report.get("total_s"), "rank": report.get("rank"), "pid": report.get("pid"),
+            "view": bool(report.get("view")), "families": families,
+            "compiled": sum(f["compiled"] for f in families)}
+
+
+# -------------------------------------------------------------------------- rendering
+
+def fmt_s(value) -> str:
+    """Seconds the way gpu-baseline.md writes them: 127, 3.13, 0.038."""
+    if value is None:
+        return "—"
+    if value >= 10:
+        return f"{value:.0f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def fmt_ratio(value) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def request_cell(run: dict) -> str:
+    """`3.13 (8), 0.038, 1.15 (3)`: seconds per request, JIT count when there was any."""
+    cell = ", ".join(fmt_s(r["s"]) + (f" ({r['jit']})" if r["jit"] else "") for r in run["requests"])
+    if run.get("complete") is False:  # written after init and each request; the run was cut short
+        cell = (cell + ", " if cell else "") + "cut short"
+    return cell
+
+
+def run_name(run: dict) -> str:
+    return (f"{run['model']} · vLLM {run['versions']['vllm']} · kwarm {run['kwarm']} · "
+            f"{run['cache']['label']} Triton cache")
+
+
+def _sort_key(run: dict):
+    return (run["model"], run["scenario"], run["versions"]["vllm"], run["kwarm"] != "off",
+            run["cache"]["label"] != "cold", run.get("_path", ""))
+
+
+def render_table(runs: list[dict]) -> str:
+    """One markdown table; all runs should share a model and a scenario."""
+    longest = max(runs, key=lambda run: len(run["requests"]))
+    legend = "; ".join(f"{r['i']} {r['label']}" for r in longest["requests"])
+    lines = [
+        f"Requests: {legend}.",
+        "",
+        "| vLLM | kwarm | Triton cache | engine init s | kwarm warmup s | per-request s (JIT) "
+        "| total JIT | first/steady |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
+        lines.append(f"| {run['versions']['vllm']} | {run['kwarm']} | {run['cache']['label']} "
+                     f"| {fmt_s(run['init_s'])} | {warm} | {request_cell(run)} | {total_jit(run)} "
+                     f"| {fmt_ratio(first_steady_ratio(run))} |")
+    return "\n".join(lines)
+
+
+def render_kernels(run: dict, keys: bool = True) -> str:
+    """The compiles left during requests of one run, each with its owning family;
+    without `keys`, one line per (request, kernel) with a count."""
+    items = remaining(run)
+    head = f"- **{run_name(run)}**: "
+    if not items:
+        return head + "no Triton compile during requests."
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(owner_counts(run).items()))
+    lines = [head + f"{len(items)} compiles ({counts})"]
+    if keys:
+        for item in items:
+            lines.append(f"  - req {item['i']} `{item['name']}` → {item['owner']}: key `{item['key']}`")
+        return "\n".join(lines)
+    grouped: dict[tuple, int] = {}
+    for item in items:
+        grouped[(item["i"], item["name"])] = grouped.get((item["i"], item["name"]), 0) + 1
+    for (i, name), n in grouped.items():
+        lines.append(f"  - req {i} `{name}`{f' ×{n}' if n > 1 else ''} → {owner(name)}")
+    return "\n".join(lines)
+
+
+def render_kwarm(run: dict) -> str | None:
+    """One line on kwarm's own warmup (on-runs only)."""
+    if run["kwarm"] != "on":
+        return None
+    summary = run.get("kwarm_report_summary")
+    if not summary:
+        return f"- **{run_name(run)}**: no kwarm report (the warmup hook did not run?)"
+    fams = "; ".join(
+        f"{f['name']} {f['status']}"
+        + (f" {fmt_s(f['seconds'])} s, {f['steps_ran']}/{f['steps']} steps, {f['compiled']} compiled"
+           if f["status"] == "ran" else f" ({f['reason']})")
+        for f in summary["families"])
+    return f"- **{run_name(run)}**: warmup {fmt_s(summary.get('total_s'))} s: {fams}"
+
+
+def render(runs: list[dict], keys: bool = True) -> str:
+    runs = sorted(runs, key=_sort_key)
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["model"], run["scenario"]), []).append(run)
+    out = []
+    for (model, scenario), group in groups.items():
+        out += [f"### {model} (scenario `{scenario}`)", "", render_table(group), ""]
+        kw = [line for line in map(render_kwarm, group) if line]
+        if kw:
+            out += ["kwarm warmup:", "", *kw, ""]
+        out += ["Triton compiles during requests (kernel → family that should own it):", ""]
+        out += [render_kernels(run, keys) for run in group] + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    keys = "--no-keys" not in args
+    paths = [a for a in args if a != "--no-keys"]
+    if not paths:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    runs = load(paths)
+    if not runs:
+        print("table.py: no engine_bench results", file=sys.stderr)
+        return 1
+    sys.stdout.write(render(runs, keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
