@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def run_py(code: str, *, env: dict | None = None, release: str | None = None, ar
         path = release_path(release)
         if path is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
+    # Not the repository root: there `python -c` would import the source kwarm_ext (which has
+    # no `kernels` subpackage) instead of the installed one.
+    cwd = cwd or tempfile.gettempdir()
     return subprocess.run([python or sys.executable, *args, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 

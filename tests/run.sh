@@ -46,4 +46,6 @@ done
 
 echo "== pytest"
 export CUDA_VISIBLE_DEVICES=""
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# the pytest script, not `python -m pytest`: the latter puts this folder first on sys.path, and
+# the source kwarm_ext (without kwarm_ext.kernels) would shadow the installed one.
+exec "$VENV/bin/pytest" -q -p no:cacheprovider "$@"
