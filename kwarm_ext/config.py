@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 from typing import Mapping
 
@@ -24,7 +25,22 @@ VARIABLES = {
     "KWARM_LOG_LEVEL": "Level of the `kwarm` logger: DEBUG, INFO (default), WARNING, ERROR.",
     "KWARM_REPORT": "Path of a JSON report written at the end of warmup; `{rank}` is replaced by the "
                     "worker's rank (ranks > 0 get `.rank<N>` appended otherwise). Default: none.",
+    "KWARM_LEARN": "Record the Triton kernels compiled after kwarm's warmup into this deployment's manifest, "
+                   "saved periodically and at exit; the next start replays them. 1/true/yes/on, `all` "
+                   "(also record during kwarm's warmup), 0 (default).",
+    "KWARM_LEARN_INTERVAL": "Seconds between periodic manifest saves while learning (only when something "
+                            "new was recorded); 0 saves at exit only. Default 60.",
+    "KWARM_MANIFEST": "Path of the learn-and-replay manifest. Default: "
+                      "$XDG_CACHE_HOME/kwarm/ (or ~/.cache/kwarm/), one file per model and versions.",
+    "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
+                           "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
+                           "allows pkg and its submodules.",
 }
+
+# Modules whose kernels a manifest may name without KWARM_ALLOW_MODULES (a manifest is
+# untrusted input: replay imports the modules it names).
+DEFAULT_ALLOWED_MODULES = ("vllm.", "kwarm_ext.")
+LEARN_MODES = ("off", "after", "all")  # KWARM_LEARN: 0 -> off, 1 -> after kwarm's warmup, all
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
@@ -58,12 +74,23 @@ class Settings:
     strict: bool = False
     log_level: str = "INFO"
     report: str | None = None
+    learn: str = "off"  # one of LEARN_MODES
+    learn_interval: float = 60.0
+    manifest: str | None = None
+    allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
+
+    @property
+    def allowed_modules(self) -> tuple:
+        """Module prefixes a manifest may name: the defaults, then KWARM_ALLOW_MODULES."""
+        return DEFAULT_ALLOWED_MODULES + self.allow_modules
 
     def as_dict(self) -> dict:
         return {"KWARM_ENABLE": self.enable, "KWARM_WARMUPS": self.warmups.describe(),
                 "KWARM_STRICT": self.strict, "KWARM_LOG_LEVEL": self.log_level,
-                "KWARM_REPORT": self.report}
+                "KWARM_REPORT": self.report, "KWARM_LEARN": self.learn,
+                "KWARM_LEARN_INTERVAL": self.learn_interval, "KWARM_MANIFEST": self.manifest,
+                "KWARM_ALLOW_MODULES": ",".join(self.allowed_modules)}
 
 
 def is_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -101,15 +128,66 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
         bad("KWARM_LOG_LEVEL", env["KWARM_LOG_LEVEL"], "INFO", f"expected one of {', '.join(LOG_LEVELS)}")
         level = "INFO"
 
-    report = env.get("KWARM_REPORT", "").strip() or None
-    if report is not None and os.path.isdir(report):
-        bad("KWARM_REPORT", report, None, "it is a directory; give a file path")
-        report = None
-
     return Settings(enable=boolean("KWARM_ENABLE"),
                     warmups=_parse_warmups(env.get("KWARM_WARMUPS"), known_families, bad),
-                    strict=boolean("KWARM_STRICT"), log_level=level, report=report,
+                    strict=boolean("KWARM_STRICT"), log_level=level,
+                    report=_parse_file_path(env, "KWARM_REPORT", bad),
+                    learn=_parse_learn(env.get("KWARM_LEARN"), bad),
+                    learn_interval=_parse_interval(env.get("KWARM_LEARN_INTERVAL"), bad),
+                    manifest=_parse_file_path(env, "KWARM_MANIFEST", bad),
+                    allow_modules=_parse_allow_modules(env.get("KWARM_ALLOW_MODULES"), bad),
                     problems=tuple(problems))
+
+
+def _parse_file_path(env, var, bad) -> str | None:
+    value = env.get(var, "").strip() or None
+    if value is not None and os.path.isdir(value):
+        bad(var, value, None, "it is a directory; give a file path")
+        return None
+    return value
+
+
+def _parse_learn(raw, bad) -> str:
+    if raw is None:
+        return "off"
+    val = raw.strip().lower()
+    if val in TRUE:
+        return "after"
+    if val in FALSE:
+        return "off"
+    if val == "all":
+        return "all"
+    bad("KWARM_LEARN", raw, "0", "expected 1/true/yes/on, all, or 0/false/no/off")
+    return "off"
+
+
+def _parse_interval(raw, bad) -> float:
+    if raw is None or not raw.strip():
+        return 60.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        bad("KWARM_LEARN_INTERVAL", raw, "60", "expected a number of seconds >= 0")
+        return 60.0
+    return value
+
+
+_MODULE_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.?$")
+
+
+def _parse_allow_modules(raw, bad) -> tuple:
+    """Extra module prefixes; invalid items are dropped (one warning), the valid ones kept."""
+    if raw is None:
+        return ()
+    items = [part.strip() for part in raw.split(",") if part.strip()]
+    good = tuple(item for item in items if _MODULE_PREFIX.match(item))
+    wrong = [item for item in items if item not in good]
+    if wrong:
+        bad("KWARM_ALLOW_MODULES", raw, ",".join(good) or "",
+            f"not module names: {', '.join(wrong)}")
+    return good
 
 
 def _parse_warmups(raw, known, bad) -> WarmupSelection:

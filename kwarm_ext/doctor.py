@@ -63,6 +63,16 @@ def hook_target() -> dict:
     return out
 
 
+def manifests(settings) -> dict:
+    """Where learn-and-replay manifests are, and which exist (nothing is read or imported)."""
+    from kwarm_ext.manifest import cache_dir
+
+    directory = cache_dir()
+    found = sorted(glob.glob(os.path.join(directory, "*.json")))
+    return {"directory": directory, "override": settings.manifest, "found": found,
+            "override_exists": bool(settings.manifest) and os.path.isfile(settings.manifest)}
+
+
 def collect() -> dict:
     from kwarm_ext import __version__, activation, config
     from kwarm_ext.families import FAMILIES
@@ -80,6 +90,7 @@ def collect() -> dict:
         "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced} for n, f in FAMILIES.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
+        "manifests": manifests(settings),
     }
     if _version("vllm"):
         try:
@@ -113,7 +124,13 @@ def render(r: dict) -> str:
     for name, f in r["families"].items():
         state = "forced" if f["forced"] else ("selected" if f["selected"] else "disabled")
         lines.append(f"  {name:12s} {state:9s} {f['summary']}")
-    lines += ["", "configuration:"] + [f"  {k:16s} {v}" for k, v in r["config"].items()]
+    m = r.get("manifests") or {}
+    lines += ["", "learn-and-replay manifests:"]
+    if m.get("override"):
+        lines.append(f"  KWARM_MANIFEST {m['override']} ({'exists' if m['override_exists'] else 'absent'})")
+    lines.append(f"  {m.get('directory')}: {len(m.get('found', []))} manifests")
+    lines += [f"    {os.path.basename(path)}" for path in m.get("found", [])[:20]]
+    lines += ["", "configuration:"] + [f"  {k:21s} {v}" for k, v in r["config"].items()]
     lines += [f"  problem: {p}" for p in r["config_problems"]]
     return "\n".join(lines)
 

@@ -7,7 +7,12 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
 - ``plan(view, forced) -> list[Step]``: the steps, each a call through vLLM's own entry
   function that launches one kernel's production specializations. A step that upstream
   vLLM already runs (and `forced` is false) or whose vLLM symbol is absent carries its
-  skip reason instead of running.
+  skip reason instead of running;
+- optionally ``details() -> dict``: read after the steps ran; its ``summary`` replaces the
+  family's default text in the summary line, and the dict goes into the JSON report.
+
+``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
+kwarm_ext/replay.py rather than under ``kernels/``.
 
 Selection: ``KWARM_WARMUPS`` (see kwarm_ext/config.py) > each family's own ``applies``.
 """
@@ -38,10 +43,13 @@ class Step:
     skip: str | None = None
 
 
-# Order is run order.
+# Order is run order: replay first, so that the hand-written families find its kernels compiled.
 FAMILIES = {
     f.name: f
     for f in (
+        Family("replay", "kwarm_ext.replay",
+               "learn and replay: compiles what earlier runs of this deployment compiled late "
+               "(KWARM_LEARN); applies when a manifest exists"),
         Family("runner", "kwarm_ext.kernels.runner",
                "per-step runner kernels of hybrid and MLA models: slot mapping, KV-block zeroing"),
         Family("qwen_gdn", "kwarm_ext.kernels.qwen_gdn",

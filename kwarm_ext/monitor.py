@@ -1,14 +1,25 @@
-"""Counts what Triton compiles: a ``jit_post_compile_hook`` chained with whatever hook was
-installed before (vLLM's JIT monitor chains the same slot), used around each warmup step.
+"""kwarm's one Triton ``jit_post_compile_hook``, serving both counting and recording.
 
-On a machine without Triton, or with ``TRITON_INTERPRET=1`` (nothing compiles), it
-records nothing and says so through ``available``.
+Triton has a single hook slot, not a chain; vLLM's JIT monitor (installed after warmup)
+saves whatever hook it finds and calls it, and others may assign the slot outright. kwarm
+installs one hook, chained to whatever was there before, and fans each compilation out to
+its listeners: :func:`capture` counts what a warmup step compiles, and the learn-and-replay
+recorder (kwarm_ext/learn.py) listens for as long as the process learns. The hook is
+installed while it has listeners and removed when the last one leaves, if it still holds the
+slot (if another hook chained on top of it, it stays as a pass-through).
+
+Listeners never break a launch: their exceptions are swallowed. The chained hook's are not
+(vLLM's ``--jit-monitor-mode=error`` must still raise). On a machine without Triton, or with
+``TRITON_INTERPRET=1`` (nothing compiles), nothing is recorded and ``available`` says so.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
+from typing import Callable
+
+Listener = Callable[[dict], None]  # receives the hook's keyword arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,30 +35,34 @@ class Compiled:
         return self.name.rsplit(".", 1)[-1]
 
 
-class _Recorder:
-    def __init__(self):
-        self.events: list[Compiled] = []
-        self.lock = threading.Lock()
+@dataclasses.dataclass
+class _HookState:
+    installed: bool = False
+    prev: Callable | None = None  # the hook found in the slot when kwarm installed its own
 
 
-_active: list[_Recorder] = []
-_lock = threading.Lock()
-_installed = {"hook": None, "prev": None}
+_listeners: list[Listener] = []
+_lock = threading.RLock()
+_state = _HookState()
+_inside = threading.local()
 
 
 def _hook(**kwargs):
+    """Notify the listeners, then the previous hook. A chain that loops back here (someone
+    chained kwarm, then kwarm re-installed on top of them) returns at once."""
+    if getattr(_inside, "active", False):
+        return None
+    _inside.active = True
     try:
-        fn = kwargs.get("fn")
-        event = Compiled(str(getattr(fn, "module", "?")), str(getattr(fn, "name", "?")), str(kwargs.get("key")))
-        for rec in list(_active):
-            with rec.lock:
-                rec.events.append(event)
-    except Exception:
-        pass  # a counter must never break a launch
-    prev = _installed["prev"]
-    if prev is not None:
-        return prev(**kwargs)
-    return None
+        for listener in list(_listeners):
+            try:
+                listener(kwargs)
+            except Exception:
+                pass  # a counter or recorder must never break a launch
+        prev = _state.prev
+        return prev(**kwargs) if prev is not None else None
+    finally:
+        _inside.active = False
 
 
 def available() -> bool:
@@ -55,30 +70,105 @@ def available() -> bool:
         from triton import knobs  # noqa: F401
     except Exception:
         return False
-    import os
+    from kwarm_ext.triton_compat import interpreted
 
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+    return not interpreted()
+
+
+def listen(listener: Listener) -> bool:
+    """Add `listener` and make sure kwarm's hook is reachable from the slot. False without Triton."""
+    knobs = _knobs()
+    with _lock:
+        if knobs is not None:
+            _ensure_installed(knobs)
+        _listeners.append(listener)
+    return knobs is not None
+
+
+def unlisten(listener: Listener) -> None:
+    knobs = _knobs()
+    with _lock:
+        with contextlib.suppress(ValueError):
+            _listeners.remove(listener)
+        if knobs is not None and not _listeners and knobs.runtime.jit_post_compile_hook is _hook:
+            knobs.runtime.jit_post_compile_hook = _state.prev
+            _state.prev, _state.installed = None, False
+
+
+def ensure() -> bool:
+    """Re-install kwarm's hook if a hook assigned since then dropped it (one that chains it
+    is fine). Returns whether it had to. The learner calls this at each periodic save."""
+    knobs = _knobs()
+    with _lock:
+        if knobs is None or not _listeners or (_state.installed and
+                                                _reaches_us(knobs.runtime.jit_post_compile_hook)):
+            return False
+        _ensure_installed(knobs)
+        return True
+
+
+def is_installed() -> bool:
+    """Whether the slot holds kwarm's hook, or a hook that chains to it."""
+    knobs = _knobs()
+    return knobs is not None and _state.installed and _reaches_us(knobs.runtime.jit_post_compile_hook)
 
 
 @contextlib.contextmanager
 def capture():
     """Yield a list that fills with the :class:`Compiled` events of the block."""
-    rec = _Recorder()
-    knobs = None
+    events: list[Compiled] = []
+    events_lock = threading.Lock()
+
+    def count(kwargs):
+        fn = kwargs.get("fn")
+        event = Compiled(str(getattr(fn, "module", "?")), str(getattr(fn, "name", "?")), str(kwargs.get("key")))
+        with events_lock:
+            events.append(event)
+
+    listen(count)
+    try:
+        yield events
+    finally:
+        unlisten(count)
+
+
+def _knobs():
     try:
         from triton import knobs
+
+        return knobs
     except Exception:
-        pass
-    with _lock:
-        if knobs is not None and knobs.runtime.jit_post_compile_hook is not _hook:
-            _installed["prev"] = knobs.runtime.jit_post_compile_hook
-            knobs.runtime.jit_post_compile_hook = _hook
-        _active.append(rec)
+        return None
+
+
+def _ensure_installed(knobs) -> None:
+    """Install (or re-install on top of a hook that replaced kwarm's without chaining it)."""
+    current = knobs.runtime.jit_post_compile_hook
+    if current is _hook or (_state.installed and _reaches_us(current)):
+        return
+    from kwarm_ext.triton_compat import patch_serializer
+
+    patch_serializer()  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
+    _state.prev, _state.installed = current, True
+    knobs.runtime.jit_post_compile_hook = _hook
+
+
+def _reaches_us(hook, depth: int = 3) -> bool:
+    """Whether `hook` is kwarm's or calls it: vLLM's monitor keeps the previous hook in a
+    closure cell; wrappers keep it in ``__wrapped__`` or a partial's ``func``."""
+    if hook is _hook:
+        return True
+    if hook is None or depth == 0:
+        return False
+    inner = [getattr(hook, "__wrapped__", None), getattr(hook, "func", None)]
+    inner += [cell.cell_contents for cell in (getattr(hook, "__closure__", None) or ())
+              if _cell_filled(cell)]
+    return any(callable(obj) and _reaches_us(obj, depth - 1) for obj in inner)
+
+
+def _cell_filled(cell) -> bool:
     try:
-        yield rec.events
-    finally:
-        with _lock:
-            _active.remove(rec)
-            if knobs is not None and not _active and knobs.runtime.jit_post_compile_hook is _hook:
-                knobs.runtime.jit_post_compile_hook = _installed["prev"]
-                _installed["prev"] = None
+        cell.cell_contents
+        return True
+    except ValueError:
+        return False

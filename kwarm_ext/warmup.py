@@ -1,9 +1,10 @@
 """kwarm's warmup, run on each worker right after vLLM's own ``kernel_warmup``.
 
-Order: the engine view, then each selected family's steps. Every step is isolated:
-an exception becomes one warning naming the step and the reason, and the next step
-runs (``KWARM_STRICT=1`` re-raises instead). It ends with one summary line per worker
-and, with ``KWARM_REPORT``, a JSON report.
+Order: the engine view, then each selected family's steps (``replay`` first), then, with
+``KWARM_LEARN``, the recorder starts (``KWARM_LEARN=all``: before the families). Every
+step is isolated: an exception becomes one warning naming the step and the reason, and
+the next step runs (``KWARM_STRICT=1`` re-raises instead). It ends with one summary line
+per worker and, with ``KWARM_REPORT``, a JSON report.
 """
 from __future__ import annotations
 
@@ -27,10 +28,15 @@ class FamilyResult:
     seconds: float = 0.0
     steps: list = dataclasses.field(default_factory=list)  # {name, kernel, status, variants, reason, seconds}
     compiled: list = dataclasses.field(default_factory=list)  # {kernel, module, key}
+    details: dict = dataclasses.field(default_factory=dict)  # a family's own outcome (replay's counts)
 
     def short(self) -> str:
         if self.status != "ran":
             return f"{self.name} ({self.reason})"
+        if self.details.get("summary"):
+            failed = sum(s["status"] == "failed" for s in self.steps)
+            return (f"{self.name} {self.seconds:.2f} s: {self.details['summary']}"
+                    + (f"; {failed} steps failed" if failed else ""))
         ran = [s for s in self.steps if s["status"] == "ran"]
         left = [s for s in self.steps if s["status"] == "skipped"]
         failed = [s for s in self.steps if s["status"] == "failed"]
@@ -76,17 +82,22 @@ def run(worker) -> dict:
                            ", ".join(f"{g} ({view.missing[g]})" for g in gaps))
         logger.info("kwarm: engine view: %s", view.summary())
 
+    learning = _start_learning(view) if settings.learn == "all" else None
     results = [_run_family(name, view, settings) for name in FAMILIES]
     report["families"] = [dataclasses.asdict(r) for r in results]
+    if settings.learn == "after":
+        learning = _start_learning(view)
+    if learning is not None:
+        report["learn"] = {"manifest": learning.path, "newly_learned": learning.recorder.recorded}
     report["total_s"] = round(time.perf_counter() - t0, 4)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
     ran = [r.short() for r in results if r.status == "ran"]
     skipped = [r.short() for r in results if r.status == "skipped"]
     failed = [r.short() for r in results if r.status == "failed"]
-    logger.info("kwarm: warmup done in %.2f s on rank %s: ran %s; skipped %s; failed %s",
+    logger.info("kwarm: warmup done in %.2f s on rank %s: ran %s; skipped %s; failed %s%s",
                 report["total_s"], rank, " | ".join(ran) or "-", ", ".join(skipped) or "-",
-                ", ".join(failed) or "-")
+                ", ".join(failed) or "-", _learning_text(learning))
     if settings.report:
         try:
             guarded("report", lambda: write_report(report, settings.report, rank))
@@ -121,8 +132,32 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         for step in steps:
             result.steps.append(_run_step(name, step))
     result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key} for c in compiled]
+    if callable(getattr(module, "details", None)):
+        try:
+            result.details = guarded(f"warmup family {name} (details)", module.details) or {}
+        except StepFailed:
+            pass
     result.seconds = round(time.perf_counter() - t0, 4)
     return result
+
+
+def _learning_text(learning) -> str:
+    if learning is None:
+        return ""
+    return f"; learning: {learning.recorder.recorded} newly learned so far -> {learning.path}"
+
+
+def _start_learning(view):
+    """Begin recording for KWARM_LEARN (idempotent); None when it cannot (one warning)."""
+    if view is None:
+        logger.warning("kwarm: learning is off in this worker: no engine view")
+        return None
+    from kwarm_ext import learn
+
+    try:
+        return guarded("learning", lambda: learn.begin(view))
+    except StepFailed:
+        return None
 
 
 def _run_step(family: str, step) -> dict:

@@ -25,6 +25,13 @@ print(json.dumps({"active": activation.is_active(), "sources": activation.SOURCE
 """
 
 
+def bare_env(**extra):
+    """No PYTHONPATH: the fresh venv must see only what is installed in it."""
+    env = clean_env(**extra)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def last_json(proc):
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -44,7 +51,8 @@ def fresh_venv(tmp_path_factory, wheel):
     venv = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True)
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True,
+                          env=bare_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     return py
 
@@ -64,13 +72,13 @@ def test_wheel_layout(wheel):
 
 
 def test_pth_door_in_a_fresh_venv(fresh_venv):
-    off = last_json(run_py(PROBE, env=clean_env(), python=str(fresh_venv)))
+    off = last_json(run_py(PROBE, env=bare_env(), python=str(fresh_venv)))
     assert off == {m: False for m in HEAVY}
-    on = last_json(run_py(ACTIVE, env=clean_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
+    on = last_json(run_py(ACTIVE, env=bare_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
     # a venv's lib64 -> lib link can make site run the .pth twice: activation is idempotent
     assert on["active"] is True and set(on["sources"]) == {".pth"} and on["heavy"] == []
     # KWARM_ENABLE set but false: the line imports kwarm_ext, which stays off
-    zero = last_json(run_py(ACTIVE, env=clean_env(KWARM_ENABLE="0"), python=str(fresh_venv)))
+    zero = last_json(run_py(ACTIVE, env=bare_env(KWARM_ENABLE="0"), python=str(fresh_venv)))
     assert zero["active"] is False
 
 
@@ -79,7 +87,7 @@ def test_disabled_means_free_in_the_test_venv():
 
 
 def test_pth_line_costs_under_a_millisecond(fresh_venv):
-    proc = run_py("pass", env=clean_env(), args=("-X", "importtime"), python=str(fresh_venv))
+    proc = run_py("pass", env=bare_env(), args=("-X", "importtime"), python=str(fresh_venv))
     imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
     assert not [m for m in imported if m.split(".")[0] in HEAVY]
     line = (REPO / "kwarm_ext" / "kwarm-ext.pth").read_text().strip()

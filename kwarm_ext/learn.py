@@ -1,0 +1,257 @@
+"""Learning: record what Triton compiles after kwarm's warmup into this deployment's manifest.
+
+Why: the hand-written families cover the kernels someone studied; everything else still
+compiles on the first request that reaches it. With ``KWARM_LEARN=1`` (or ``kwarm run
+--learn``) each worker records those compilations as they happen, and the next start
+replays them (kwarm_ext/replay.py) before the families run.
+
+How: a :class:`Recorder` listens on kwarm's one post-compile hook (kwarm_ext/monitor.py)
+from the end of kwarm's warmup (``KWARM_LEARN=all``: from its start) and keeps each new
+compilation of an allow-listed, module-level kernel. A :class:`Learner` merges them, with
+the autotuners' choices for the kernels seen, into the manifest: every
+``KWARM_LEARN_INTERVAL`` seconds from a daemon thread when something new was recorded,
+and at exit (``atexit`` and multiprocessing's exit finalizers, so spawned and forked
+workers both save). Saving never raises into vLLM; a failure is one warning.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import threading
+
+from kwarm_ext import config, engine, manifest, monitor, triton_compat
+from kwarm_ext.manifest import Entry, Stamp, TuneChoice
+
+logger = logging.getLogger("kwarm")
+
+
+class Recorder:
+    """Manifest entries from the hook's calls. Thread-safe; its listener never raises."""
+
+    def __init__(self, allowed: tuple, known=()):
+        self.allowed = allowed
+        self._known = frozenset(known)  # identities already in the manifest: not new
+        self._lock = threading.Lock()
+        self._entries: dict = {}  # identity -> Entry, everything newly learned in this process
+        self._unsaved: list = []
+        self._kernels: set = set()  # (module, qualname) of everything recorded
+        self._paused = 0
+        self._refused: set = set()  # modules already logged as not allow-listed
+
+    def on_compile(self, kwargs: dict) -> None:
+        if self._paused:
+            return
+        try:
+            record = triton_compat.describe_compile(kwargs)
+        except Exception as exc:  # Unrecordable, or a Triton that changed its hook payload
+            logger.debug("kwarm: not recording a compile of %s: %s", getattr(kwargs.get("fn"), "name", "?"), exc)
+            return
+        if record is None:
+            return
+        if not manifest.module_allowed(record.module, self.allowed):
+            self._refuse_once(record.module)
+            return
+        entry = Entry(**dataclasses.asdict(record))
+        with self._lock:
+            if entry.identity not in self._entries and entry.identity not in self._known:
+                self._entries[entry.identity] = entry
+                self._unsaved.append(entry)
+                self._kernels.add((entry.module, entry.qualname))
+
+    def _refuse_once(self, module: str) -> None:
+        with self._lock:
+            if module in self._refused:
+                return
+            self._refused.add(module)
+        logger.info("kwarm: not learning kernels of %s: not in the allowed modules (KWARM_ALLOW_MODULES)", module)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ignore compilations in the block (replay's own, which are in the manifest already)."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+
+    def take_unsaved(self) -> list:
+        with self._lock:
+            out, self._unsaved = self._unsaved, []
+        return out
+
+    def give_back(self, entries: list) -> None:
+        """Entries whose save failed: the next save tries them again."""
+        with self._lock:
+            self._unsaved[:0] = entries
+
+    def kernels(self) -> set:
+        with self._lock:
+            return set(self._kernels)
+
+    @property
+    def recorded(self) -> int:
+        """Compilations newly learned in this process (not in the manifest at its start)."""
+        return len(self._entries)
+
+
+def snapshot_choices(kernels, allowed: tuple) -> list:
+    """The autotuners' current choices for `kernels` ((module, qualname) pairs). Imports
+    nothing: a kernel whose module is not loaded has made no choice in this process."""
+    out = []
+    for module, qualname in sorted(kernels):
+        if not manifest.module_allowed(module, allowed):
+            continue
+        try:
+            kernel = triton_compat.resolve(module, qualname, import_missing=False)
+        except triton_compat.Unresolvable:
+            continue
+        out += [TuneChoice(module, qualname, kernel.source_key, key, cfg)
+                for key, cfg in triton_compat.autotune_choices(kernel)]
+    return out
+
+
+@dataclasses.dataclass
+class Learner:
+    """Saves one worker's recordings into its deployment's manifest."""
+
+    path: str
+    stamp: Stamp
+    recorder: Recorder
+    interval: float
+    known_kernels: set = dataclasses.field(default_factory=set)  # kernels of the manifest at start
+    saved_choices: set = dataclasses.field(default_factory=set)  # TuneChoice identities on disk
+    learned: int = 0  # items this process added to the manifest
+    saves: int = 0
+    _last_error: str | None = dataclasses.field(default=None, repr=False)
+    _save_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    _stop: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    def save(self, why: str) -> manifest.SaveResult | None:
+        """Merge what is new into the manifest; None when nothing new was recorded."""
+        with self._save_lock:
+            entries = self.recorder.take_unsaved()
+            kernels = self.recorder.kernels() | self.known_kernels
+            choices = [c for c in snapshot_choices(kernels, self.recorder.allowed)
+                       if c.identity not in self.saved_choices]
+            if not entries and not choices:
+                return None
+            try:
+                result = manifest.save(self.path, self.stamp, entries, choices)
+            except BaseException:
+                self.recorder.give_back(entries)
+                raise
+            self.saved_choices.update(c.identity for c in choices)
+            self.learned += result.added
+            self.saves += 1
+        if result.note:
+            logger.warning("kwarm: manifest %s: %s", result.path, result.note)
+        logger.info("kwarm: learned %d new (%d in the manifest, %s save) -> %s",
+                    result.added, result.total, why, result.path)
+        return result
+
+    def save_quietly(self, why: str) -> None:
+        """Save; a failure is one warning (repeats of the same failure go to debug)."""
+        try:
+            self.save(why)
+            self._last_error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log = logger.debug if error == self._last_error else logger.warning
+            log("kwarm: saving the manifest %s failed (%s save): %s", self.path, why, error)
+            self._last_error = error
+
+    def run_periodically(self) -> None:
+        while not self._stop.wait(self.interval):
+            if monitor.ensure():
+                logger.info("kwarm: another jit_post_compile_hook had replaced kwarm's; chained it again")
+            self.save_quietly("periodic")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+_learner: Learner | None = None
+_lock = threading.Lock()
+
+
+def deployment(view) -> tuple[Stamp, str]:
+    """This worker's stamp and manifest path (``KWARM_MANIFEST``, else one per model and versions)."""
+    model = engine.read(view.worker, "vllm_config.model_config.model", {}) if view.worker is not None else None
+    if model is None and view.runner is not None:
+        model = engine.read(view.runner, "vllm_config.model_config.model", {})
+    stamp = manifest.current_stamp(model=str(model) if model is not None else None, tp_size=view.tp_size)
+    if stamp is None:
+        raise RuntimeError("no Triton target: Triton is missing or no GPU driver is active")
+    return stamp, config.get().manifest or manifest.default_path(stamp)
+
+
+def begin(view) -> Learner:
+    """Start recording in this process (idempotent): listen, save periodically and at exit."""
+    global _learner
+    with _lock:
+        if _learner is not None:
+            return _learner
+        settings = config.get()
+        stamp, path = deployment(view)
+        known = _known_manifest(path, stamp)
+        recorder = Recorder(settings.allowed_modules, {e.identity for e in known.entries})
+        learner = Learner(path, stamp, recorder, settings.learn_interval,
+                          known_kernels={(i.module, i.qualname) for i in known.entries + known.autotune},
+                          saved_choices={c.identity for c in known.autotune})
+        if not monitor.listen(learner.recorder.on_compile):
+            raise RuntimeError("Triton is not importable: nothing to learn")
+        _learner = learner
+    atexit.register(_save_at_exit)
+    with contextlib.suppress(Exception):
+        from multiprocessing import util
+
+        util.Finalize(None, _save_at_exit, exitpriority=100)  # multiprocessing children skip atexit on fork
+    if learner.interval > 0:
+        threading.Thread(target=learner.run_periodically, name="kwarm-learn", daemon=True).start()
+    logger.info("kwarm: learning: compilations after kwarm's warmup go to %s", path)
+    return learner
+
+
+def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:
+    """What the manifest already holds (empty if unusable): its entries are not new, its
+    autotune choices need not be saved again."""
+    try:
+        known = manifest.load(path)
+    except (FileNotFoundError, manifest.BadManifest):
+        return manifest.Manifest(stamp)
+    return known if known.stamp.incompatibility(stamp) is None else manifest.Manifest(stamp)
+
+
+def _save_at_exit() -> None:
+    learner = _learner
+    if learner is not None:
+        learner.stop()
+        learner.save_quietly("exit")
+
+
+def current() -> Learner | None:
+    return _learner
+
+
+@contextlib.contextmanager
+def paused():
+    """Don't record the block's compilations (replay's own)."""
+    learner = _learner
+    if learner is None:
+        yield
+        return
+    with learner.recorder.paused():
+        yield
+
+
+def _reset_for_tests() -> None:
+    global _learner
+    with _lock:
+        if _learner is not None:
+            _learner.stop()
+            monitor.unlisten(_learner.recorder.on_compile)
+        _learner = None

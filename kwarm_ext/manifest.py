@@ -1,0 +1,495 @@
+"""The learn-and-replay manifest: one JSON file per model deployment.
+
+A manifest lists the Triton compilations that earlier runs of a deployment made after
+kwarm's warmup (kernel identity, in-memory cache key, launch options, specialization) and
+the autotuners' choices, stamped with what makes those keys valid: the Triton, torch and
+vLLM versions, the GPU architecture and the TP size. It is written by every TP rank of
+every run that learns, so writes are merge-and-deduplicate under an ``fcntl`` lock, and
+atomic (a temporary file, then ``os.replace``).
+
+A manifest is untrusted input: it names modules that replay imports and options that reach
+the compiler. So: JSON only; a file must be a regular file owned by this user and writable by
+no one else; every field is type-checked, and a bad entry is dropped with its reason while
+the rest stays usable. Module allow-listing and source checks happen at replay
+(kwarm_ext/replay.py). This module imports neither Triton nor torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import stat
+import tempfile
+import time
+
+FORMAT = "kwarm-manifest"
+FORMAT_VERSION = 1
+MAX_BYTES = 64 << 20  # a manifest of a large deployment is a few MB; refuse absurd files
+OPTION_VALUE = (type(None), bool, int, float, str)
+
+
+class BadManifest(ValueError):
+    """The whole file is unusable (unreadable, untrusted, not a manifest, another format)."""
+
+
+# ---------------------------------------------------------------------------- schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    """What makes the recorded keys valid. Triton and the GPU architecture must match for a
+    manifest to be used; the others are kept for the file name and for ``kwarm manifest verify``."""
+
+    triton: str
+    arch: str
+    torch: str | None = None
+    vllm: str | None = None
+    tp_size: int | None = None
+    model: str | None = None
+
+    def incompatibility(self, current: "Stamp") -> str | None:
+        """Why entries stamped `self` cannot serve `current` (None when they can)."""
+        if self.triton != current.triton:
+            return f"recorded with Triton {self.triton}, this is Triton {current.triton}"
+        if self.arch != current.arch:
+            return f"recorded for GPU architecture {self.arch}, this GPU is {current.arch}"
+        return None
+
+    def differences(self, current: "Stamp") -> list[str]:
+        """The informational fields that differ (entries are still checked one by one)."""
+        return [f"{name} {getattr(self, name)} (now {getattr(current, name)})"
+                for name in ("torch", "vllm", "tp_size", "model")
+                if getattr(current, name) is not None and getattr(self, name) != getattr(current, name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One compilation: replay compiles `spec` under `key` with `launch_options`."""
+
+    module: str
+    qualname: str
+    source_key: str  # JITFunction.cache_key when recorded: a changed source means a stale entry
+    key: str  # Triton's in-memory cache key, exactly as a launch computes it
+    launch_options: dict  # the options at the end of `key`, in launch order
+    spec: dict  # Triton's specialization data (name, signature, constants, attrs), no options
+
+    @property
+    def identity(self) -> tuple:
+        return (self.module, self.qualname, self.source_key, self.key)
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} [{short_hash(self.key)}]"
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneChoice:
+    """An autotuner's chosen config for one tuning key."""
+
+    module: str
+    qualname: str
+    source_key: str
+    key: list  # Autotuner.cache key: the key arguments' values, then argument dtypes
+    config: dict  # {"kwargs": {...}, "num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+    @property
+    def identity(self) -> tuple:
+        return (self.module, self.qualname, self.source_key, json.dumps(self.key))
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel} autotune {tuple(self.key)}"
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Manifest:
+    stamp: Stamp
+    entries: list = dataclasses.field(default_factory=list)  # [Entry]
+    autotune: list = dataclasses.field(default_factory=list)  # [TuneChoice]
+    problems: list = dataclasses.field(default_factory=list)  # (label, reason) of dropped items
+
+    def merge(self, entries=(), autotune=()) -> int:
+        """Add what is new (by identity; a key's first recorded choice wins). Returns how many."""
+        added = 0
+        for mine, theirs in ((self.entries, entries), (self.autotune, autotune)):
+            seen = {item.identity for item in mine}
+            for item in theirs:
+                if item.identity not in seen:
+                    mine.append(item)
+                    seen.add(item.identity)
+                    added += 1
+        return added
+
+    def as_json(self) -> dict:
+        return {"format": FORMAT, "version": FORMAT_VERSION, "stamp": dataclasses.asdict(self.stamp),
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "entries": [e.as_json() for e in sorted(self.entries, key=lambda e: e.identity)],
+                "autotune": [c.as_json() for c in sorted(self.autotune, key=lambda c: c.identity)]}
+
+    def kernels(self) -> dict:
+        """``module:qualname`` -> {"entries": [...], "autotune": [...]}, for listings."""
+        out: dict = {}
+        for item in self.entries + self.autotune:
+            group = out.setdefault(item.kernel, {"entries": [], "autotune": []})
+            group["entries" if isinstance(item, Entry) else "autotune"].append(item)
+        return dict(sorted(out.items()))
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def module_allowed(module: str, prefixes) -> bool:
+    """``pkg.`` allows pkg's submodules; ``pkg`` allows pkg itself and its submodules."""
+    for prefix in prefixes:
+        if prefix.endswith("."):
+            if module.startswith(prefix):
+                return True
+        elif module == prefix or module.startswith(prefix + "."):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------- validation
+
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+REFUSED_OPTIONS = {
+    "ir_override": "substitutes IR or PTX from a file",
+    "extern_libs": "links external bitcode libraries",
+}
+
+
+def parse(text: str) -> Manifest:
+    """A manifest from JSON text. Raises :class:`BadManifest` when the file as a whole is
+    unusable; a malformed entry is dropped into ``problems`` as (label, reason)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise BadManifest(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise BadManifest("not a kwarm manifest (no \"format\": \"kwarm-manifest\")")
+    if data.get("version") != FORMAT_VERSION:
+        raise BadManifest(f"manifest format version {data.get('version')!r}; this kwarm reads {FORMAT_VERSION}")
+    manifest = Manifest(_stamp(data.get("stamp")))
+    for field, build in (("entries", _entry), ("autotune", _choice)):
+        items = data.get(field, [])
+        if not isinstance(items, list):
+            raise BadManifest(f"\"{field}\" is not a list")
+        good = []
+        for raw in items:
+            try:
+                good.append(build(raw))
+            except (TypeError, ValueError, KeyError) as exc:
+                manifest.problems.append((_raw_label(raw), f"malformed: {exc}"))
+        manifest.merge(**{field: good})
+    return manifest
+
+
+def _stamp(raw) -> Stamp:
+    if not isinstance(raw, dict):
+        raise BadManifest("\"stamp\" is missing or not an object")
+    try:
+        stamp = Stamp(triton=_str(raw, "triton"), arch=_str(raw, "arch"), torch=_opt(raw, "torch", str),
+                      vllm=_opt(raw, "vllm", str), tp_size=_opt(raw, "tp_size", int), model=_opt(raw, "model", str))
+    except (TypeError, ValueError) as exc:
+        raise BadManifest(f"bad stamp: {exc}") from None
+    return stamp
+
+
+def _entry(raw) -> Entry:
+    if not isinstance(raw, dict):
+        raise TypeError("an entry is not an object")
+    module, qualname = _dotted(raw, "module"), _dotted(raw, "qualname")
+    key = _str(raw, "key", limit=100_000)
+    options = raw.get("launch_options")
+    if not isinstance(options, dict) or not all(isinstance(k, str) and _option_value(v) for k, v in options.items()):
+        raise TypeError("launch_options is not an object of JSON scalars")
+    from kwarm_ext.triton_compat import launch_options
+
+    if json.loads(json.dumps(launch_options(key))) != options:
+        raise ValueError("launch_options disagree with the key")
+    spec = _spec(raw.get("spec"), f"{module}.{qualname}")
+    _check_key_matches_signature(key, spec["signature"])
+    return Entry(module, qualname, _str(raw, "source_key", limit=256), key, options, spec)
+
+
+def _spec(spec, full_name: str) -> dict:
+    if not isinstance(spec, dict):
+        raise TypeError("spec is not an object")
+    if spec.get("name") != full_name:
+        raise ValueError(f"spec is for {spec.get('name')!r}, not {full_name!r}")
+    signature = spec.get("signature")
+    if not isinstance(signature, dict) or not all(isinstance(k, str) and _types(v) for k, v in signature.items()):
+        raise TypeError("signature is not an object of type names")
+    for keys, vals in (("constant_keys", "constant_vals"), ("attrs_keys", "attrs_vals")):
+        paths, values = spec.get(keys), spec.get(vals)
+        if not isinstance(paths, list) or not isinstance(values, list) or len(paths) != len(values):
+            raise TypeError(f"{keys}/{vals} are not two lists of one length")
+        if not all(isinstance(p, list) and p and all(type(i) is int and i >= 0 for i in p) for p in paths):
+            raise TypeError(f"{keys} are not argument paths")
+    return {k: v for k, v in spec.items() if k not in ("options", "key")}
+
+
+def _check_key_matches_signature(key: str, signature: dict) -> None:
+    """The key's argument types, in order, must be the signature's (a corrupt or hand-edited
+    entry would otherwise compile one specialization under another's key)."""
+    flat = []
+
+    def walk(value):
+        if isinstance(value, list):
+            for v in value:
+                walk(v)
+        else:
+            flat.append(value)
+
+    walk(list(signature.values()))
+    pos = 0
+    for type_name in flat:
+        found = key.find(f"'{type_name}'", pos)
+        if found < 0:
+            raise ValueError(f"the key does not match the signature (no {type_name!r} in order)")
+        pos = found + len(type_name) + 2
+
+
+def _choice(raw) -> TuneChoice:
+    if not isinstance(raw, dict):
+        raise TypeError("an autotune choice is not an object")
+    key, config = raw.get("key"), raw.get("config")
+    if not isinstance(key, list) or not all(_scalar(v) for v in key):
+        raise TypeError("key is not a list of JSON scalars")
+    if not isinstance(config, dict) or not isinstance(config.get("kwargs"), dict):
+        raise TypeError("config is not an object with kwargs")
+    if not all(isinstance(k, str) and _scalar(v) for k, v in config["kwargs"].items()):
+        raise TypeError("config kwargs are not JSON scalars")
+    for field in ("num_warps", "num_stages", "num_ctas"):
+        if type(config.get(field)) is not int:
+            raise TypeError(f"config {field} is not an integer")
+    if config.get("maxnreg") is not None and type(config.get("maxnreg")) is not int:
+        raise TypeError("config maxnreg is not an integer")
+    config = {k: config.get(k) for k in ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")}
+    return TuneChoice(_dotted(raw, "module"), _dotted(raw, "qualname"), _str(raw, "source_key", limit=256),
+                      key, config)
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _option_value(value) -> bool:
+    return _scalar(value) or (isinstance(value, (list, tuple)) and all(_option_value(v) for v in value))
+
+
+def _types(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(_types(v) for v in value))
+
+
+def _str(raw: dict, field: str, limit: int = 1000) -> str:
+    value = raw.get(field)
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise TypeError(f"{field} is not a non-empty string")
+    return value
+
+
+def _opt(raw: dict, field: str, kind):
+    value = raw.get(field)
+    if value is not None and (type(value) is not kind):
+        raise TypeError(f"{field} is not {kind.__name__}")
+    return value
+
+
+def is_dotted_name(value: str) -> bool:
+    """A dotted name without dunder parts: resolving it walks attributes, and ``__globals__``
+    or ``__class__`` would lead anywhere."""
+    return bool(_DOTTED.match(value)) and not any(part.startswith("__") for part in value.split("."))
+
+
+def _dotted(raw: dict, field: str) -> str:
+    value = _str(raw, field, limit=300)
+    if not is_dotted_name(value):
+        raise ValueError(f"{field} {value!r} is not a dotted Python name without dunders")
+    return value
+
+
+def _raw_label(raw) -> str:
+    if isinstance(raw, dict) and isinstance(raw.get("module"), str) and isinstance(raw.get("qualname"), str):
+        key = raw.get("key")
+        return f"{raw['module']}:{raw['qualname']}" + (f" [{short_hash(key)}]" if isinstance(key, str) else "")
+    return repr(raw)[:80]
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Why a file with this status may not be read as a manifest (None when it may)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if writable:
+        return f"writable by {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def read_trusted(path: str) -> str:
+    """The file's text, if it passes :func:`untrusted_reason` (checked on the opened file, so
+    a swap between the check and the read is impossible). FileNotFoundError passes through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BadManifest(f"cannot open ({exc.strerror})") from None
+    reason = untrusted_reason(os.fstat(fd))
+    if reason:
+        os.close(fd)
+        raise BadManifest(f"refused: {reason}")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise BadManifest(f"larger than {MAX_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadManifest("not UTF-8 text") from None
+
+
+def load(path: str) -> Manifest:
+    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`."""
+    return parse(read_trusted(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    path: str
+    added: int
+    total: int
+    note: str | None = None  # why an existing file was replaced rather than merged
+
+
+def save(path: str, stamp: Stamp, entries=(), autotune=()) -> SaveResult:
+    """Merge `entries`/`autotune` into the manifest at `path`, under a lock, atomically.
+
+    Several TP ranks and processes may call this at once: the read-merge-write runs under an
+    exclusive ``flock`` on ``<path>.lock``, and readers only ever see a complete file. An
+    existing file that is unreadable, untrusted or stamped for another Triton/GPU is
+    replaced (and said so in ``note``), never merged."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with _locked(path + ".lock"):
+        current, note = _existing(path, stamp)
+        added = current.merge(entries, autotune)
+        if added or note or not os.path.exists(path):
+            _write_atomic(path, current.as_json())
+    return SaveResult(path, added, len(current.entries) + len(current.autotune), note)
+
+
+def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
+    try:
+        current = load(path)
+    except FileNotFoundError:
+        return Manifest(stamp), None
+    except BadManifest as exc:
+        return Manifest(stamp), f"replaced an unusable manifest ({exc})"
+    why = current.stamp.incompatibility(stamp)
+    if why:
+        return Manifest(stamp), f"replaced a manifest {why}"
+    current.stamp = stamp
+    return current, None
+
+
+def _dumps(obj: dict) -> str:
+    """JSON with one top-level field per line and one list item per line: diffable, compact."""
+    lines = []
+    for name, value in obj.items():
+        if isinstance(value, list) and value:
+            items = ",\n".join("  " + json.dumps(item, separators=(",", ":")) for item in value)
+            lines.append(f" {json.dumps(name)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(name)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+@contextlib.contextmanager
+def _locked(lock_path: str):
+    import fcntl
+
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _write_atomic(path: str, obj: dict) -> None:
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_dumps(obj))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------- location
+
+
+def cache_dir() -> str:
+    """``$XDG_CACHE_HOME/kwarm`` (when absolute, as the XDG spec requires), else ``~/.cache/kwarm``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kwarm")
+
+
+def default_path(stamp: Stamp) -> str:
+    """One file per model and versions, e.g. ``Qwen3-Next-80B-A3B-Instruct.tp2.cuda90.1a2b3c4d5e.json``."""
+    tail = (stamp.model or "model").rstrip("/").split("/")[-1]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:60].strip("._") or "model"
+    digest = short_hash(json.dumps(dataclasses.asdict(stamp), sort_keys=True))
+    arch = re.sub(r"[^A-Za-z0-9]+", "", stamp.arch)
+    return os.path.join(cache_dir(), f"{tail}.tp{stamp.tp_size or 1}.{arch}.{digest}.json")
+
+
+def current_stamp(model: str | None = None, tp_size: int | None = None) -> Stamp | None:
+    """This process's stamp; None without Triton or without an active driver (no target)."""
+    import importlib.metadata as md
+
+    from kwarm_ext import triton_compat
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    triton, arch = triton_compat.triton_version(), triton_compat.current_arch()
+    if triton is None or arch is None:
+        return None
+    return Stamp(triton=triton, arch=arch, torch=version("torch"), vllm=version("vllm"),
+                 tp_size=tp_size, model=model)

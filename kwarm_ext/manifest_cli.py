@@ -1,0 +1,186 @@
+"""``kwarm manifest show|verify|merge PATH...``: read, check and combine learn-and-replay manifests.
+
+- ``show``: the stamp, then one block per kernel: its entries (argument types, constants,
+  launch options) and autotune choices.
+- ``verify``: each manifest against this installation: the Triton version and GPU
+  architecture (when a GPU driver is active), then every entry as replay would check it
+  (allowed module, importable kernel, unchanged source, no refused option, readable
+  constants). Imports the kernels' modules (allowed ones only). Exit 0 when all is usable.
+- ``merge -o OUT``: manifests of several ranks or hosts into OUT (merged into OUT if it
+  exists), refusing inputs stamped for another Triton or GPU architecture.
+
+Exit status: 0 all good, 1 some entries or inputs unusable, 2 no usable input.
+"""
+from __future__ import annotations
+
+import json
+
+from kwarm_ext import manifest
+from kwarm_ext.manifest import BadManifest, Entry
+
+QUIET_OPTIONS = {"debug": False, "instrumentation_mode": ""}  # the defaults every key carries
+
+
+def main(action: str, paths: list, output: str | None = None) -> int:
+    if action == "show":
+        return show(paths)
+    if action == "verify":
+        return verify(paths)
+    return merge(paths, output)
+
+
+def _load(path: str):
+    """(Manifest, None) or (None, why) for one input."""
+    try:
+        return manifest.load(path), None
+    except FileNotFoundError:
+        return None, "no such file"
+    except BadManifest as exc:
+        return None, str(exc)
+
+
+def show(paths: list) -> int:
+    worst = 0
+    for path in paths:
+        data, why = _load(path)
+        if data is None:
+            print(f"{path}: unusable: {why}")
+            worst = 2
+            continue
+        print(render(path, data))
+        worst = max(worst, 1 if data.problems else 0)
+    return worst
+
+
+def render(path: str, data) -> str:
+    s = data.stamp
+    lines = [f"{path}", f"  stamp: triton {s.triton}, {s.arch}, torch {s.torch}, vllm {s.vllm}, "
+                         f"tp {s.tp_size}, model {s.model}",
+             f"  {len(data.entries)} entries, {len(data.autotune)} autotune choices, "
+             f"{len(data.kernels())} kernels"]
+    for kernel, group in data.kernels().items():
+        first = (group["entries"] or group["autotune"])[0]
+        lines.append(f"  {kernel}  (source {first.source_key[:10]}): {len(group['entries'])} entries"
+                     + (f", {len(group['autotune'])} autotune choices" if group["autotune"] else ""))
+        lines += [f"    {manifest.short_hash(e.key)}  {describe_entry(e)}" for e in group["entries"]]
+        lines += [f"    autotune {tuple(c.key)} -> {_describe_config(c.config)}" for c in group["autotune"]]
+    lines += [f"  dropped {label}: {reason}" for label, reason in data.problems]
+    return "\n".join(lines)
+
+
+def describe_entry(entry: Entry) -> str:
+    """``x:*fp16%16 n:i32 BLOCK=128 | num_warps=4``: argument types (``%16``: divisible by 16 or
+    16-byte aligned), constants, launch options."""
+    spec = entry.spec
+    constants = {tuple(p): v for p, v in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = {tuple(p): v for p, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    args = []
+    for index, (name, kind) in enumerate(spec["signature"].items()):
+        if (index,) in constants:
+            args.append(f"{name}={_constant(constants[(index,)])}")
+            continue
+        divisible = "".join(f"%{a[1]}" for a in attrs.get((index,), []) if isinstance(a, list) and len(a) == 2
+                            and a[0] == "tt.divisibility")
+        args.append(f"{name}:{kind if isinstance(kind, str) else json.dumps(kind)}{divisible}")
+    options = [f"{k}={v}" for k, v in entry.launch_options.items() if QUIET_OPTIONS.get(k, object()) != v]
+    return " ".join(args) + (" | " + " ".join(options) if options else "")
+
+
+def _constant(value) -> str:
+    if isinstance(value, dict) and len(value) == 1:
+        (tag, inner), = value.items()
+        return f"{inner}" if tag in ("constexpr", "tl_dtype", "str") else f"{tag}:{json.dumps(inner)}"
+    return json.dumps(value)
+
+
+def _describe_config(config: dict) -> str:
+    parts = [f"{k}={v}" for k, v in config["kwargs"].items()]
+    parts += [f"{k}={config[k]}" for k in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+              if config.get(k) is not None]
+    return " ".join(parts)
+
+
+def verify(paths: list) -> int:
+    from kwarm_ext import config, replay
+
+    current = manifest.current_stamp()  # None without a GPU driver
+    worst = 0
+    for path in paths:
+        data, why = _load(path)
+        if data is None:
+            print(f"{path}: unusable: {why}")
+            worst = 2
+            continue
+        fatal, notes = _stamp_check(data.stamp, current)
+        problems = list(data.problems)
+        resolver = replay.Resolver(config.get().allowed_modules)
+        for entry in data.entries:
+            problems += _entry_problems(entry, resolver)
+        for choice in data.autotune:
+            problems += _choice_problems(choice, resolver)
+        total = len(data.entries) + len(data.autotune)
+        usable = 0 if fatal else total - len(problems) + len(data.problems)
+        print(f"{path}: {usable} of {total} items usable here" + (f" ({fatal})" if fatal else ""))
+        print("".join(f"  note: {note}\n" for note in notes), end="")
+        print("".join(f"  {label}: {reason}\n" for label, reason in problems), end="")
+        worst = max(worst, 1 if fatal or problems else 0)
+    return worst
+
+
+def _stamp_check(stamp, current) -> tuple:
+    """(why the manifest cannot be used here or None, informational notes)."""
+    from kwarm_ext import triton_compat
+
+    if current is not None:
+        return stamp.incompatibility(current), [f"recorded with {d}" for d in stamp.differences(current)]
+    triton = triton_compat.triton_version()
+    fatal = None if triton == stamp.triton else f"recorded with Triton {stamp.triton}, this is Triton {triton}"
+    return fatal, [f"GPU architecture {stamp.arch} not checked: no GPU driver is active"]
+
+
+def _entry_problems(entry, resolver) -> list:
+    from kwarm_ext import replay, triton_compat
+
+    kernel, why = replay.check_entry(entry, resolver)
+    if why:
+        return [(entry.label, why[1])]
+    try:
+        triton_compat.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
+                                  resolver.function_for(entry.key))
+    except (TypeError, ValueError, KeyError) as exc:
+        return [(entry.label, f"unusable constants: {exc}")]
+    return []
+
+
+def _choice_problems(choice, resolver) -> list:
+    from kwarm_ext import replay, triton_compat
+
+    kernel, why = replay.check_choice(choice, resolver)
+    if why:
+        return [(choice.label, why[1])]
+    _, why = triton_compat.find_config(kernel, choice.config)
+    return [(choice.label, why)] if why else []
+
+
+def merge(paths: list, output: str) -> int:
+    inputs, refused = [], []
+    for path in paths:
+        data, why = _load(path)
+        if data is None:
+            refused.append((path, why))
+        elif inputs and data.stamp.incompatibility(inputs[0].stamp):
+            refused.append((path, data.stamp.incompatibility(inputs[0].stamp)))
+        else:
+            inputs.append(data)
+    for path, why in refused:
+        print(f"{path}: not merged: {why}")
+    if not inputs:
+        print("kwarm manifest merge: no usable input")
+        return 2
+    entries = [e for data in inputs for e in data.entries]
+    choices = [c for data in inputs for c in data.autotune]
+    result = manifest.save(output, inputs[0].stamp, entries, choices)
+    if result.note:
+        print(f"{output}: {result.note}")
+    print(f"merged {len(inputs)} manifests into {result.path}: {result.total} items ({result.added} new)")
+    return 1 if refused else 0

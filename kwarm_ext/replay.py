@@ -1,0 +1,349 @@
+"""Family ``replay``: compile at engine start what earlier runs of this deployment compiled late.
+
+Why: the hand-written families (kernels/) cover the kernels someone studied. A model,
+backend or vLLM release they do not know still compiles on its first requests. With
+``KWARM_LEARN=1`` a run records those compilations into the deployment's manifest
+(kwarm_ext/learn.py); every later start replays it, first among the families.
+
+How (Triton's own mechanisms, through kwarm_ext/triton_compat.py):
+  1. load the manifest: a trusted file, this Triton, this GPU architecture (one log line and
+     no replay otherwise);
+  2. resolve each entry (allow-listed modules only), skip it when its kernel's source changed,
+     when it asks for a refused compiler option, or when it is an autotune config that was
+     not chosen; each skip is one log line naming the entry and the reason;
+  3. ``preload`` every entry with the launch options of its key, in parallel
+     (``AsyncCompileMode`` on a thread pool sized to this rank's share of the cores);
+  4. seed the autotuners' caches with the recorded choices (no benchmarking at first launch);
+  5. on a GPU, ``_init_handles`` each kernel (launcher and binary load) and launch one
+     no-op kernel (the binder's one-time imports), so that the first real launch costs
+     what the second does.
+
+Upstream: vLLM has no record/replay; its JIT-warmup registry (0.27+) is per kernel and
+hand-written. Remove when Triton or vLLM persist and reload the in-memory kernel caches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from kwarm_ext import config, learn, manifest, monitor, triton_compat
+from kwarm_ext.families import Step
+from kwarm_ext.manifest import REFUSED_OPTIONS
+
+logger = logging.getLogger("kwarm")
+NO_GPU = "no GPU driver is active (a stub or none): kernels load and launch at first use"
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    label: str
+    kind: str  # short category for the summary line
+    reason: str
+
+
+@dataclasses.dataclass
+class ReplayState:
+    """One replay: what the plan found and what each step did."""
+
+    path: str
+    threads: int = 1
+    refused: str | None = None  # why the whole manifest was not used
+    jobs: list = dataclasses.field(default_factory=list)  # [PreloadJob]
+    choices: list = dataclasses.field(default_factory=list)  # [(TuneChoice, ResolvedKernel)]
+    skipped: list = dataclasses.field(default_factory=list)  # [Skip]
+    compiled: list = dataclasses.field(default_factory=list)  # [(label, kernel)]
+    already: int = 0  # entries already compiled in this process
+    not_chosen: int = 0  # autotune configs the recorded choices did not pick
+    seeded: int = 0
+    loaded: int = 0
+    binder: str = "not primed"
+
+    def skip(self, label: str, kind: str, reason: str) -> None:
+        self.skipped.append(Skip(label, kind, reason))
+        logger.warning("kwarm: replay skipped %s: %s", label, reason)
+
+    def summary(self) -> str:
+        if self.refused:
+            return f"manifest not used ({self.refused})"
+        text = f"{len(self.compiled)} replayed"
+        extras = [f"{self.already} already compiled" if self.already else "",
+                  f"{self.not_chosen} unchosen autotune configs left out" if self.not_chosen else "",
+                  f"{self.seeded} autotune choices seeded" if self.seeded else ""]
+        text += "".join(f", {e}" for e in extras if e)
+        if self.skipped:
+            kinds: dict = {}
+            for s in self.skipped:
+                kinds[s.kind] = kinds.get(s.kind, 0) + 1
+            text += f", {len(self.skipped)} skipped ({'; '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})"
+        return text
+
+    def details(self) -> dict:
+        return {"summary": self.summary(), "manifest": self.path, "refused": self.refused,
+                "replayed": len(self.compiled), "already_compiled": self.already,
+                "not_chosen": self.not_chosen, "autotune_seeded": self.seeded, "loaded": self.loaded,
+                "binder": self.binder, "threads": self.threads,
+                "skipped": [dataclasses.asdict(s) for s in self.skipped]}
+
+
+_last: ReplayState | None = None
+
+
+# ---------------------------------------------------------------------------- the family contract
+
+
+def applies(view) -> str | None:
+    if not monitor.available():
+        return "Triton is missing or interpreted (TRITON_INTERPRET=1)"
+    if triton_compat.current_arch() is None:
+        return "no GPU driver"
+    _, path = learn.deployment(view)
+    if not os.path.exists(path):
+        return f"no manifest for this deployment ({path})"
+    return None
+
+
+def plan(view, forced) -> list:
+    global _last
+    stamp, path = learn.deployment(view)
+    state = prepare(path, stamp, config.get().allowed_modules)
+    state.threads = compile_threads(view.tp_size)
+    _last = state
+    gpu_skip = NO_GPU if not triton_compat.has_gpu_driver() else None
+    none = state.refused and f"manifest not used: {state.refused}"
+    return [Step("compile", "manifest entries", run=lambda: compile_entries(state), skip=none),
+            Step("autotune", "autotuner caches", run=lambda: seed_autotuners(state), skip=none),
+            Step("load", "kernel handles", run=lambda: load_handles(state), skip=none or gpu_skip),
+            Step("launch", "kwarm_noop", run=lambda: launch_once(state), skip=none or gpu_skip)]
+
+
+def details() -> dict:
+    """The last replay's outcome, for the summary line and the JSON report."""
+    return _last.details() if _last is not None else {}
+
+
+def compile_threads(tp_size) -> int:
+    """This rank's share of the cores: each compile thread can start its own MLIR pool, and the
+    TP ranks of one host replay at the same time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, tp_size or 1))
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+class Resolver:
+    """Resolves kernels once each, enforcing the module allow-list."""
+
+    def __init__(self, allowed: tuple):
+        self.allowed = allowed
+        self._cache: dict = {}
+
+    def kernel(self, module: str, qualname: str):
+        """(ResolvedKernel, None) or (None, (kind, reason))."""
+        if (module, qualname) not in self._cache:
+            self._cache[(module, qualname)] = self._resolve(module, qualname)
+        return self._cache[(module, qualname)]
+
+    def _resolve(self, module, qualname):
+        if not manifest.module_allowed(module, self.allowed):
+            return None, ("module not allowed", f"module {module} is not allowed "
+                          f"(allowed: {', '.join(self.allowed)}; extend with KWARM_ALLOW_MODULES)")
+        try:
+            return triton_compat.resolve(module, qualname), None
+        except triton_compat.Unresolvable as exc:
+            return None, ("unresolvable", str(exc))
+
+    def function_for(self, key: str):
+        """A resolver for constexpr functions of the entry with `key` (whose text holds each
+        function's source hash, so a changed function is caught)."""
+        def resolve_function(ref: str):
+            module, _, qualname = ref.partition(":")
+            if not (manifest.is_dotted_name(module) and manifest.is_dotted_name(qualname)):
+                raise ValueError(f"constexpr function {ref!r} is not a module:qualname reference")
+            kernel, why = self.kernel(module, qualname)
+            if why:
+                raise ValueError(f"constexpr function {ref}: {why[1]}")
+            if kernel.source_key not in key:
+                raise ValueError(f"constexpr function {ref} changed since it was recorded")
+            return kernel.jit
+        return resolve_function
+
+
+def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
+    """Load and check the manifest, resolve its entries; logs one line per refusal."""
+    state = ReplayState(path)
+    try:
+        data = manifest.load(path)
+        why = data.stamp.incompatibility(stamp)
+    except FileNotFoundError:
+        state.refused = "no manifest"
+        return state
+    except manifest.BadManifest as exc:
+        why = str(exc)
+    if why:
+        state.refused = why
+        logger.warning("kwarm: replay did not use the manifest %s: %s", path, why)
+        return state
+    if data.stamp.differences(stamp):
+        logger.info("kwarm: manifest %s was recorded with %s; its entries are checked one by one",
+                    path, ", ".join(data.stamp.differences(stamp)))
+    for label, reason in data.problems:
+        state.skip(label, "malformed", reason)
+    resolver, chosen = Resolver(allowed), _choices_by_kernel(data.autotune)
+    for entry in data.entries:
+        _plan_entry(state, entry, resolver, chosen)
+    for choice in data.autotune:
+        kernel, why = check_choice(choice, resolver)
+        if why:
+            state.skip(choice.label, *why)
+        else:
+            state.choices.append((choice, kernel))
+    return state
+
+
+def check_entry(entry, resolver: Resolver):
+    """(ResolvedKernel, None) when `entry` may be replayed here, else (None, (kind, reason))."""
+    kernel, why = resolver.kernel(entry.module, entry.qualname)
+    if why:
+        return None, why
+    if kernel.source_key != entry.source_key:
+        return None, ("source changed", "the kernel's source changed since it was recorded")
+    refused = [name for name in entry.launch_options if name in REFUSED_OPTIONS]
+    if refused:
+        return None, ("option refused", "; ".join(
+            f"compiler option {name} refused: it {REFUSED_OPTIONS[name]}" for name in refused))
+    return kernel, None
+
+
+def check_choice(choice, resolver: Resolver):
+    """Like :func:`check_entry`, for an autotune choice."""
+    kernel, why = resolver.kernel(choice.module, choice.qualname)
+    if why:
+        return None, why
+    if kernel.source_key != choice.source_key:
+        return None, ("source changed", "the kernel's source changed since it was recorded")
+    return kernel, None
+
+
+def _plan_entry(state: ReplayState, entry, resolver: Resolver, chosen: dict) -> None:
+    kernel, why = check_entry(entry, resolver)
+    if why:
+        return state.skip(entry.label, *why)
+    if triton_compat.is_loaded(kernel.jit, entry.key):
+        state.already += 1
+        return None
+    if not _is_chosen(entry, kernel, chosen):
+        state.not_chosen += 1
+        return None
+    try:
+        job = triton_compat.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
+                                        resolver.function_for(entry.key))
+    except (TypeError, ValueError, KeyError) as exc:
+        return state.skip(entry.label, "constants", f"unusable constants: {exc}")
+    state.jobs.append(job)
+    return None
+
+
+def _choices_by_kernel(choices) -> dict:
+    out: dict = {}
+    for c in choices:
+        out.setdefault((c.module, c.qualname, c.source_key), []).append(c.config)
+    return out
+
+
+def _is_chosen(entry, kernel, chosen: dict) -> bool:
+    """Autotuning compiles every candidate config; replay keeps only the recorded winners
+    (all candidates when no choice was recorded for the kernel)."""
+    configs = chosen.get((entry.module, entry.qualname, entry.source_key))
+    if not configs or not triton_compat.tunes(kernel):
+        return True
+    names = triton_compat.param_names(kernel.jit)
+    constants = {}
+    for path, value in zip(entry.spec["constant_keys"], entry.spec["constant_vals"]):
+        if len(path) == 1 and path[0] < len(names):
+            plain = value.get("constexpr") if isinstance(value, dict) and set(value) == {"constexpr"} else value
+            constants[names[path[0]]] = plain
+    options = entry.launch_options
+    return any(all(k in constants and constants[k] == v for k, v in cfg["kwargs"].items())
+               and all(options.get(f) == cfg[f] for f in ("num_warps", "num_stages", "num_ctas", "maxnreg")
+                       if cfg.get(f) is not None)
+               for cfg in configs)
+
+
+# ---------------------------------------------------------------------------- the steps
+
+
+def compile_entries(state: ReplayState) -> list:
+    """Step 3: preload every job in parallel, with kwarm's recorder paused; also compiles the
+    no-op kernel through its binder (the one-time specialization imports)."""
+    threads = max(1, min(state.threads, len(state.jobs)))
+    results = []
+    with learn.paused():
+        with triton_compat.parallel_compiles(threads):
+            for job in state.jobs:
+                try:
+                    results.append(triton_compat.preload(job))
+                except Exception as exc:
+                    results.append(exc)
+            state.binder = _attempt(triton_compat.warm_binder, "primed by warmup")
+        for job, result in zip(state.jobs, results):
+            _settle(state, job, result)
+    return [label for label, _ in state.compiled]
+
+
+def _settle(state: ReplayState, job, result) -> None:
+    if isinstance(result, Exception):
+        return state.skip(job.label, "compile failed", f"preload failed: {type(result).__name__}: {result}")
+    kernel, why = triton_compat.settle(job, result)
+    if why:
+        return state.skip(job.label, "compile failed", why)
+    state.compiled.append((job.label, kernel))
+    return None
+
+
+def seed_autotuners(state: ReplayState) -> list:
+    """Step 4: the recorded choices go into ``Autotuner.cache``."""
+    seeded = []
+    for choice, kernel in state.choices:
+        why = triton_compat.seed_autotune(kernel, choice.key, choice.config)
+        if why:
+            state.skip(choice.label, "autotune", why)
+        else:
+            seeded.append(choice.label)
+    state.seeded = len(seeded)
+    return seeded
+
+
+def load_handles(state: ReplayState) -> list:
+    """Step 5 (GPU only): build each kernel's launcher and load its binary now."""
+    loaded = []
+    for label, kernel in state.compiled:
+        try:
+            triton_compat.init_handles(kernel)
+            loaded.append(label)
+        except Exception as exc:  # e.g. OutOfResources: its first launch would raise the same
+            logger.warning("kwarm: replay could not load %s: %s: %s", label, type(exc).__name__, exc)
+    state.loaded = len(loaded)
+    return loaded
+
+
+def launch_once(state: ReplayState) -> list:
+    """Step 6 (GPU only): one tiny real launch pays what only a first launch pays."""
+    t0 = time.perf_counter()
+    triton_compat.tiny_launch()
+    state.binder = f"primed by one launch ({(time.perf_counter() - t0) * 1000:.1f} ms)"
+    return ["kwarm_noop"]
+
+
+def _attempt(fn, done: str) -> str:
+    try:
+        fn()
+        return done
+    except Exception as exc:
+        logger.debug("kwarm: replay could not prime the binder: %r", exc)
+        return f"not primed ({type(exc).__name__}: {exc})"

@@ -1,0 +1,566 @@
+"""Every Triton internal that learn-and-replay touches, in one adapter (Triton 3.4-3.9, checked on 3.6).
+
+kwarm records through ``knobs.runtime.jit_post_compile_hook`` and replays through
+``JITFunction.preload`` inside ``AsyncCompileMode``, then ``CompiledKernel._init_handles``,
+``Autotuner.cache`` and one tiny launch (see ../shared/reference/triton-replay.md). Those
+names are Triton's runtime internals, not a public API: they are used only here, each behind
+a function whose docstring says what it relies on, so that a Triton bump is a one-file diff.
+Nothing here imports Triton at module import time.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from typing import Any, Callable
+
+# Constant encodings that JSON cannot carry as-is; preload cannot decode these, so
+# replay injects the decoded objects itself (see _injecting_constants).
+OBJECT_TAGS = ("jit_function", "torch_dtype", "tuple", "str")
+
+
+class Unresolvable(LookupError):
+    """A manifest entry names a kernel that cannot (or may not) be found in this process."""
+
+
+class Unrecordable(ValueError):
+    """A compilation whose constants cannot be written to a manifest."""
+
+
+# ---------------------------------------------------------------------------- versions, target
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return None
+
+
+def version_tuple(version: str | None = None) -> tuple:
+    version = version or triton_version() or "0"
+    parts = []
+    for part in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def interpreted() -> bool:
+    """``TRITON_INTERPRET=1`` turns kernels into interpreter functions: nothing compiles."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def current_arch() -> str | None:
+    """The active driver's target as ``backend:arch`` (``cuda:90``), or None without a driver."""
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+        return f"{target.backend}:{target.arch}"
+    except Exception:
+        return None
+
+
+def current_device() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+def has_gpu_driver() -> bool:
+    """Whether a real GPU driver is active (not a stub): loading and launching need one."""
+    try:
+        from triton.backends.driver import GPUDriver
+        from triton.runtime import driver
+
+        return isinstance(driver.active, GPUDriver)
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------- resolving kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedKernel:
+    """A kernel found along ``module.qualname``: the outermost wrapper, its JITFunction and
+    any autotuners in between (``getattr`` returns the outermost ``Autotuner``/``Heuristics``)."""
+
+    module: str
+    qualname: str
+    outer: Any
+    jit: Any
+    autotuners: tuple = ()
+
+    @property
+    def source_key(self) -> str:
+        return self.jit.cache_key
+
+
+def resolve(module: str, qualname: str, *, import_missing: bool = True) -> ResolvedKernel:
+    """Find a kernel; the caller has checked `module` against the allow-list.
+
+    With `import_missing` false only modules already in ``sys.modules`` are searched (the
+    learner's periodic thread must not import anything)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    if "<locals>" in qualname or not qualname:
+        raise Unresolvable(f"{qualname!r} is not reachable from its module")
+    mod = sys.modules.get(module)
+    if mod is None:
+        if not import_missing:
+            raise Unresolvable(f"module {module} is not imported")
+        try:
+            mod = importlib.import_module(module)
+        except Exception as exc:
+            raise Unresolvable(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
+    obj = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise Unresolvable(f"{module} has no {qualname}")
+    outer, autotuners = obj, []
+    for _ in range(8):  # Heuristics -> Autotuner -> JITFunction, never deeper in practice
+        if isinstance(obj, JITFunction):
+            return ResolvedKernel(module, qualname, outer, obj, tuple(autotuners))
+        if isinstance(obj, Autotuner):
+            autotuners.append(obj)
+        obj = getattr(obj, "fn", None)
+    raise Unresolvable(f"{module}.{qualname} is not a Triton JITFunction (interpreted or not a kernel)")
+
+
+# ---------------------------------------------------------------------------- recording
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    """One compilation as the post-compile hook saw it, ready for the manifest."""
+
+    module: str
+    qualname: str
+    source_key: str
+    key: str
+    launch_options: dict
+    spec: dict  # Triton's specialization data without its ``options`` (rebuilt at replay)
+
+
+def describe_compile(kwargs: dict) -> CompileRecord | None:
+    """Read a ``jit_post_compile_hook`` call (kwargs ``key``, ``fn``, ``compile``); None if it is
+    not a module-level JITFunction. Raises :class:`Unrecordable` for constants JSON can't carry."""
+    from triton.runtime.jit import JITFunction
+
+    fn, key, comp = kwargs.get("fn"), kwargs.get("key"), kwargs.get("compile")
+    jit = getattr(fn, "jit_function", None)
+    if not isinstance(jit, JITFunction) or not isinstance(key, str) or not isinstance(comp, dict):
+        return None
+    module, qualname = str(getattr(fn, "module", "")), str(getattr(fn, "name", ""))
+    if "<locals>" in qualname or not module:
+        return None
+    spec = json.loads(comp["specialization_data"])
+    spec.pop("options", None)  # the recording install's paths and arch: never replayed
+    spec.pop("key", None)  # kept once, beside the spec
+    constants = comp.get("constants") or {}
+    spec["constant_keys"] = [list(path) for path in constants]
+    spec["constant_vals"] = [encode_constant(value) for value in constants.values()]
+    return CompileRecord(module, qualname, jit.cache_key, key, launch_options(key), spec)
+
+
+def launch_options(key: str) -> dict:
+    """The launch options at the end of an in-memory cache key, ``str(spec) + str(options)``.
+
+    The key's options are what the launch passed (``num_warps=``, ... in call order, plus
+    ``debug``/``instrumentation_mode``); replay compiles with exactly these, so that
+    ``parse_options`` fills in the current GPU instead of the recording's."""
+    start = key.rfind("]{")
+    while start != -1:
+        try:
+            options = ast.literal_eval(key[start + 1:])
+        except (ValueError, SyntaxError):
+            options = None
+        if isinstance(options, dict):
+            return options
+        start = key.rfind("]{", 0, start)
+    raise ValueError("the key does not end with a readable options dict")
+
+
+def encode_constant(value):
+    """A constexpr value as JSON; objects JSON can't carry get a one-key tag (OBJECT_TAGS)."""
+    import triton.language as tl
+    from triton.runtime.jit import JITCallable
+
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return {"str": value} if tl.dtype.is_dtype(value) else value  # preload would make it a dtype
+    if isinstance(value, tl.dtype):
+        return {"tl_dtype": str(value)}
+    if isinstance(value, tl.constexpr):
+        return {"constexpr": encode_constant(value.value)}
+    if isinstance(value, JITCallable):
+        return {"jit_function": f"{value.fn.__module__}:{value.fn.__qualname__}"}
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return {"torch_dtype": str(value).replace("torch.", "")}
+    if isinstance(value, (tuple, list)):
+        return {"tuple": [encode_constant(v) for v in value]}
+    raise Unrecordable(f"constexpr of type {type(value).__name__} cannot be recorded")
+
+
+def function_refs(value) -> list[str]:
+    """``module:qualname`` of every jitted function among an encoded constant."""
+    if isinstance(value, dict):
+        if "jit_function" in value:
+            return [value["jit_function"]]
+        return [ref for v in value.values() for ref in function_refs(v)]
+    if isinstance(value, list):
+        return [ref for v in value for ref in function_refs(v)]
+    return []
+
+
+# ---------------------------------------------------------------------------- the 3.4-3.6 serializer
+
+
+_SERIALIZER_MARK = "_kwarm_safe_serializer"
+
+
+def patch_serializer() -> bool:
+    """Make ``triton.runtime.jit.serialize_specialization_data`` unable to raise.
+
+    Why: on Triton 3.4-3.6 ``JITFunction._call_hook`` serializes the specialization before
+    calling any post-compile hook, and the stock serializer raises ``TypeError: Object of type
+    JITFunction is not JSON serializable`` for a kernel taking a ``@jit`` function as a
+    constexpr: with *any* hook installed (kwarm's, or vLLM's JIT monitor) that launch fails.
+    How: the original runs first; only when it raises is the data encoded by kwarm, with
+    functions as ``{"jit_function": "mod:qualname"}`` (Triton 3.7's own encoding).
+    Versions: installed on Triton < 3.7 only. Remove when kwarm requires Triton >= 3.7.
+    """
+    if version_tuple() >= (3, 7):
+        return False
+    from triton.runtime import jit
+
+    original = jit.serialize_specialization_data
+    if getattr(original, _SERIALIZER_MARK, False):
+        return False
+
+    def serialize_specialization_data(name, signature, constants, attrs, options, key):
+        try:
+            return original(name, signature, constants, attrs, options, key)
+        except Exception:
+            return _fallback_serialize(name, signature, constants, attrs, options, key)
+
+    serialize_specialization_data.__wrapped__ = original
+    setattr(serialize_specialization_data, _SERIALIZER_MARK, True)
+    jit.serialize_specialization_data = serialize_specialization_data
+    return True
+
+
+def unpatch_serializer() -> bool:
+    from triton.runtime import jit
+
+    current = jit.serialize_specialization_data
+    if not getattr(current, _SERIALIZER_MARK, False):
+        return False
+    jit.serialize_specialization_data = current.__wrapped__
+    return True
+
+
+def _fallback_serialize(name, signature, constants, attrs, options, key) -> str:
+    def constant(value):
+        try:
+            return encode_constant(value)
+        except Exception:
+            return {"unrecordable": repr(value)}
+
+    obj = {"name": name, "signature": signature,
+           "constant_keys": [list(k) for k in constants], "constant_vals": [constant(v) for v in constants.values()],
+           "attrs_keys": [list(k) for k in attrs], "attrs_vals": list(attrs.values()),
+           "options": getattr(options, "__dict__", {}), "key": key}
+    return json.dumps(obj, default=repr)
+
+
+# ---------------------------------------------------------------------------- replaying
+
+
+@dataclasses.dataclass
+class PreloadJob:
+    """One manifest entry ready for ``JITFunction.preload``."""
+
+    label: str
+    jit: Any
+    key: str
+    spec_json: str  # Triton's specialization data, options rebuilt from the key
+    injected: dict = dataclasses.field(default_factory=dict)  # constant path -> (placeholder, object)
+
+
+def preload_job(label: str, kernel: ResolvedKernel, key: str, spec: dict, options: dict,
+                resolve_function: Callable[[str], Any]) -> PreloadJob:
+    """Decode an entry's constants into what ``preload`` reads; objects JSON can't carry
+    (functions, torch dtypes, tuples) become placeholders that :func:`preload` swaps back.
+    `resolve_function` turns ``module:qualname`` into a JITFunction (and enforces the allow-list)."""
+    data = dict(spec, options=dict(options), key=key)
+    vals, injected = [], {}
+    for path, encoded in zip(spec["constant_keys"], spec["constant_vals"]):
+        plain = _preload_form(encoded)
+        if plain is _OBJECT:
+            placeholder = f"kwarm-injected:{len(injected)}"
+            injected[tuple(path)] = (placeholder, _decode_object(encoded, resolve_function))
+            plain = placeholder
+        vals.append(plain)
+    data["constant_vals"] = vals
+    if injected and not hasattr(type(kernel.jit), "_do_compile"):
+        raise ValueError("constexpr objects need Triton >= 3.5")
+    return PreloadJob(label, kernel.jit, key, json.dumps(data), injected)
+
+
+_OBJECT = object()
+
+
+def _preload_form(encoded):
+    """What Triton's preload decodes back faithfully, or _OBJECT."""
+    import triton.language as tl
+
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return encoded
+    if isinstance(encoded, dict) and set(encoded) == {"tl_dtype"}:
+        if not tl.dtype.is_dtype(encoded["tl_dtype"]):
+            raise ValueError(f"unknown Triton dtype {encoded['tl_dtype']!r}")
+        return encoded["tl_dtype"]
+    if isinstance(encoded, dict) and set(encoded) == {"constexpr"}:
+        inner = encoded["constexpr"]
+        if inner is None or isinstance(inner, (bool, int, float)):
+            return {"constexpr": inner}
+    return _OBJECT
+
+
+def _decode_object(encoded, resolve_function):
+    import triton.language as tl
+
+    if not isinstance(encoded, dict) or len(encoded) != 1:
+        raise ValueError(f"unreadable constant {encoded!r}")
+    tag, value = next(iter(encoded.items()))
+    if tag == "jit_function" and isinstance(value, str):
+        return resolve_function(value)
+    if tag == "torch_dtype" and isinstance(value, str):
+        import torch
+
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown torch dtype {value!r}")
+        return dtype
+    if tag == "tuple" and isinstance(value, list):
+        return tuple(_decode_plain(v, resolve_function) for v in value)
+    if tag == "str" and isinstance(value, str):
+        return value
+    if tag == "constexpr":
+        return tl.constexpr(_decode_plain(value, resolve_function))
+    if tag == "tl_dtype" and isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    raise ValueError(f"unreadable constant {encoded!r}")
+
+
+def _decode_plain(encoded, resolve_function):
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return encoded
+    return _decode_object(encoded, resolve_function)
+
+
+@contextlib.contextmanager
+def parallel_compiles(threads: int):
+    """Make the block's ``preload``/``warmup`` calls compile on a thread pool.
+
+    Uses ``triton.AsyncCompileMode`` (3.5+; threads only: its compile closures don't pickle).
+    On leaving, the mode waits for every compile; errors are kept for :func:`settle`
+    (``ignore_errors``). Falls back to compiling in the caller's thread on Triton 3.4, with
+    one thread, or when another AsyncCompileMode is already active in this context."""
+    import triton
+
+    mode_cls = getattr(triton, "AsyncCompileMode", None)
+    if mode_cls is None or threads <= 1 or _async_mode_active() or not _keeps_errors(mode_cls):
+        yield False
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="kwarm-replay") as pool:
+        with mode_cls(pool, ignore_errors=True):
+            yield True
+
+
+def _keeps_errors(mode_cls) -> bool:
+    """3.5's AsyncCompileMode has no ``ignore_errors``: one failed compile raises from its
+    ``__exit__`` before it resets the active mode, which would leave later compiles of this
+    thread queued on a closed pool. There, replay compiles sequentially instead."""
+    import inspect
+
+    try:
+        return "ignore_errors" in inspect.signature(mode_cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _async_mode_active() -> bool:
+    try:
+        from triton.runtime import _async_compile
+
+        return _async_compile.active_mode.get() is not None
+    except Exception:
+        return False
+
+
+def preload(job: PreloadJob):
+    """``job.jit.preload(...)``: the compiled kernel, a FutureKernel inside
+    :func:`parallel_compiles`, or None when a ``jit_cache_hook`` declined it."""
+    with _injecting_constants(job.jit, job.injected):
+        return job.jit.preload(job.spec_json)
+
+
+@contextlib.contextmanager
+def _injecting_constants(jit, injected: dict):
+    """Swap placeholders for objects on their way from ``preload`` to ``_do_compile``.
+
+    ``preload`` can only decode JSON scalars, dtype names and ``{"constexpr": v}``; a
+    constexpr that is a jitted function (or a tuple, or a torch dtype) reaches the compiler
+    through this per-instance shim, active only during the one synchronous ``preload`` call."""
+    if not injected:
+        yield
+        return
+    original = type(jit)._do_compile
+
+    def _do_compile(key, signature, device, constexprs, *args, **kwargs):
+        for path, (placeholder, obj) in injected.items():
+            if constexprs.get(path) == placeholder:
+                constexprs[path] = obj
+        return original(jit, key, signature, device, constexprs, *args, **kwargs)
+
+    jit._do_compile = _do_compile
+    try:
+        yield
+    finally:
+        vars(jit).pop("_do_compile", None)
+
+
+def settle(job: PreloadJob, result) -> tuple[Any, str | None]:
+    """After :func:`parallel_compiles`: the compiled kernel of `job`, or None and why not.
+
+    Also covers a 3.5/3.6 quirk: AsyncCompileMode deduplicates by the on-disk hash, so of two
+    in-memory keys for one binary only the first reaches ``kernel_cache``; the second is
+    stored here, as Triton's own finalize step would have."""
+    if result is None:
+        return None, "a jit_cache_hook declined the compile"
+    kernel = result
+    if hasattr(result, "result") and callable(result.result):
+        try:
+            kernel = result.result()
+        except Exception as exc:
+            return None, f"compile failed: {type(exc).__name__}: {exc}"
+        if kernel is None:
+            return None, "compile failed"
+    cache = kernel_cache(job.jit)
+    if job.key not in cache:
+        cache[job.key] = kernel
+    return kernel, None
+
+
+def kernel_cache(jit) -> dict:
+    """The in-memory ``key -> kernel`` dict of `jit` on the current device."""
+    return jit.device_caches[current_device()][0]
+
+
+def is_loaded(jit, key: str) -> bool:
+    return key in kernel_cache(jit)
+
+
+def init_handles(kernel) -> None:
+    """Load the binary and build the launcher now (``CompiledKernel._init_handles``), not at
+    the first launch. Needs a real GPU driver."""
+    if hasattr(kernel, "result") and callable(kernel.result):
+        kernel = kernel.result()
+    kernel._init_handles()
+
+
+def warm_binder():
+    """Compile kwarm's no-op kernel through ``warmup``: its binder runs Triton's one-time
+    specialization imports (85-190 ms measured on an H200) now instead of in the first real
+    launch. Needs no GPU; :func:`tiny_launch` then pays what only a launch pays."""
+    import torch
+
+    from kwarm_ext._noop import kwarm_noop
+
+    return kwarm_noop.warmup(torch.int32, grid=(1,))
+
+
+def tiny_launch() -> None:
+    """One real launch of kwarm's no-op kernel on the current GPU (loads it, runs its launcher)."""
+    import torch
+
+    from kwarm_ext._noop import kwarm_noop
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    kwarm_noop[(1,)](torch.zeros(1, dtype=torch.int32, device=device))
+    torch.cuda.synchronize(device)
+
+
+def param_names(jit) -> list[str]:
+    return list(jit.arg_names)
+
+
+# ---------------------------------------------------------------------------- autotuning
+
+
+def config_to_json(config) -> dict | None:
+    """An autotune ``Config`` as JSON (its kwargs, warps, stages, ctas, maxnreg), or None if its
+    kwargs are not JSON scalars. ``pre_hook`` and ``ir_override`` are code, not data: replay
+    takes them from the kernel's own configs."""
+    kwargs = dict(getattr(config, "kwargs", {}) or {})
+    if not all(isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str)))
+               for k, v in kwargs.items()):
+        return None
+    return {"kwargs": kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def autotune_choices(kernel: ResolvedKernel) -> list[tuple[list, dict]]:
+    """The outermost autotuner's chosen config per tuning key, as JSON (``Autotuner.cache``)."""
+    if not kernel.autotuners:
+        return []
+    out = []
+    for key, config in list(kernel.autotuners[0].cache.items()):
+        wanted = config_to_json(config)
+        if wanted is not None and all(v is None or isinstance(v, (bool, int, float, str)) for v in key):
+            out.append((list(key), wanted))
+    return out
+
+
+def tunes(kernel: ResolvedKernel) -> bool:
+    """Whether the kernel's outermost autotuner chooses among several configs."""
+    return bool(kernel.autotuners) and len(kernel.autotuners[0].configs) > 1
+
+
+def autotune_configs(kernel: ResolvedKernel) -> list:
+    return list(kernel.autotuners[0].configs) if kernel.autotuners else []
+
+
+def seed_autotune(kernel: ResolvedKernel, key: list, wanted: dict) -> str | None:
+    """Pre-seed ``Autotuner.cache[key]`` with the kernel's own config equal to `wanted`, so its
+    first launch neither prunes nor benchmarks. Returns why not, or None when seeded."""
+    config, why = find_config(kernel, wanted)
+    if config is not None:
+        kernel.autotuners[0].cache.setdefault(tuple(key), config)
+    return why
+
+
+def find_config(kernel: ResolvedKernel, wanted: dict):
+    """(the kernel's own Config equal to `wanted`, None) or (None, why not). Its own, so that
+    its ``pre_hook`` and ``ir_override`` come from the code, never from the manifest."""
+    if not kernel.autotuners:
+        return None, "the kernel is no longer autotuned"
+    config = next((c for c in kernel.autotuners[0].configs if config_to_json(c) == wanted), None)
+    if config is None:
+        return None, "the recorded config is no longer among the kernel's configs"
+    return config, None

@@ -1,0 +1,259 @@
+"""Recording: kwarm's one post-compile hook, shared by counting and recording, chained with
+the hooks around it (vLLM's JIT monitor included), and what a recorded entry holds.
+
+The hook-slot tests call the installed hook directly (no compile). The recording tests
+compile for an sm90 target in a fresh interpreter, with tests/replay_kernels.FakeDriver
+standing in for the GPU driver that cannot exist on this machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, run_py
+
+knobs = pytest.importorskip("triton.knobs")
+from kwarm_ext import learn, monitor  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+def triton_env(tmp_path, **extra) -> dict:
+    """A fresh interpreter that can import tests/replay_kernels.py, with its own Triton cache."""
+    env = clean_env(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return env
+
+
+def last_json(proc):
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def slot():
+    """Triton's hook slot, emptied for the test and restored after it."""
+    saved = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = None
+    yield knobs.runtime
+    for listener in list(monitor._listeners):
+        monitor.unlisten(listener)
+    knobs.runtime.jit_post_compile_hook = saved
+    monitor._state.prev, monitor._state.installed = None, False
+
+
+def fire(runtime, name="k"):
+    fn = type("Info", (), {"module": "m", "name": name, "jit_function": None})()
+    return runtime.jit_post_compile_hook(key=f"key-{name}", fn=fn, compile={}, repr="", is_manual_warmup=False,
+                                         already_compiled=False)
+
+
+def test_hook_chains_the_hook_that_was_there_before(slot):
+    calls = []
+    slot.jit_post_compile_hook = lambda **kw: calls.append(("before", kw["key"])) or "prev-result"
+    with monitor.capture() as events:
+        assert fire(slot) == "prev-result"
+    assert [e.key for e in events] == ["key-k"] and calls == [("before", "key-k")]
+    assert slot.jit_post_compile_hook is not monitor._hook  # removed, the earlier hook restored
+    assert fire(slot) == "prev-result"
+
+
+def test_counting_and_recording_share_one_hook(slot):
+    recorded = []
+    monitor.listen(recorded.append)
+    with monitor.capture() as events:
+        assert slot.jit_post_compile_hook is monitor._hook
+        fire(slot)
+    assert len(events) == 1 and len(recorded) == 1  # one call reached both listeners
+    assert slot.jit_post_compile_hook is monitor._hook  # the recorder keeps it installed
+    monitor.unlisten(recorded.append)
+    assert slot.jit_post_compile_hook is None
+
+
+def test_vllm_jit_monitor_chains_kwarm_and_both_see_each_compile(slot, monkeypatch):
+    jit_monitor = pytest.importorskip("vllm.triton_utils.jit_monitor")
+    warned = []
+    monkeypatch.setattr(jit_monitor, "_log_jit_compile", lambda name, kwargs: warned.append(name))
+    recorded = []
+    monitor.listen(recorded.append)
+    jit_monitor._setup_triton_jit_hook()  # what vLLM does after warmup: save the slot, chain it
+    assert slot.jit_post_compile_hook is not monitor._hook and monitor.is_installed()
+    fire(slot, "late")
+    assert warned == ["late"] and len(recorded) == 1
+    monitor.listen(recorded.append)  # a second listener does not stack a second kwarm hook
+    fire(slot, "later")
+    assert warned == ["late", "later"] and len(recorded) == 3
+    monitor.unlisten(recorded.append)
+    monitor.unlisten(recorded.append)
+    fire(slot, "off")  # vLLM's hook still calls kwarm's, which now only passes through
+    assert warned[-1] == "off" and len(recorded) == 3
+
+
+def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
+    recorded, other = [], []
+    monitor.listen(recorded.append)
+    slot.jit_post_compile_hook = lambda **kw: other.append(kw["key"])  # assigned outright
+    assert not monitor.is_installed()
+    assert monitor.ensure() is True and monitor.is_installed()  # the learner's periodic check
+    assert monitor.ensure() is False
+    slot.jit_post_compile_hook = lambda **kw: other.append(kw["key"])
+    with monitor.capture() as events:
+        assert monitor.is_installed()
+        fire(slot)
+    assert other == ["key-k"] and len(recorded) == 1 and len(events) == 1
+
+
+def test_a_chain_that_loops_back_is_called_once(slot):
+    """A hook that chains kwarm's through a global (undetectable) and is then chained by kwarm."""
+    calls = []
+    monitor.listen(calls.append)
+    saved = {"prev": slot.jit_post_compile_hook}
+
+    def looping(**kw):
+        calls.append("other")
+        return saved["prev"](**kw)
+
+    slot.jit_post_compile_hook = looping
+    monitor.listen(calls.append)  # kwarm re-installs on top: kwarm -> looping -> kwarm (stops)
+    fire(slot)
+    assert calls.count("other") == 1 and len([c for c in calls if c != "other"]) == 2
+
+
+def test_listener_errors_never_reach_the_launch_but_the_chained_hooks_do(slot):
+    def broken(kwargs):
+        raise RuntimeError("listener bug")
+
+    monitor.listen(broken)
+    assert fire(slot) is None
+
+    def strict(**kw):  # vLLM's --jit-monitor-mode=error must still raise
+        raise RuntimeError("JIT during inference")
+
+    monitor.unlisten(broken)
+    slot.jit_post_compile_hook = strict
+    with monitor.capture():
+        with pytest.raises(RuntimeError, match="JIT during inference"):
+            fire(slot)
+
+
+def test_recorder_ignores_foreign_and_paused_compiles(kwarm_log):
+    recorder = learn.Recorder(("vllm.",))
+    recorder.on_compile({"key": "k", "fn": None, "compile": {}})  # not a JITFunction: ignored
+    recorder.on_compile({"garbage": object()})
+    with recorder.paused():
+        recorder.on_compile({"key": "k"})
+    assert recorder.recorded == 0 and recorder.take_unsaved() == []
+    assert kwarm_log.messages() == []
+
+
+def test_recorder_is_thread_safe(monkeypatch):
+    """Compiles finalize on several threads (AsyncCompileMode) while the saver takes entries."""
+    import threading
+
+    from kwarm_ext import triton_compat
+    from kwarm_ext.triton_compat import CompileRecord
+
+    monkeypatch.setattr(triton_compat, "describe_compile", lambda kw: CompileRecord(
+        "vllm.x", "k", "s", kw["key"], {}, {}))
+    recorder = learn.Recorder(("vllm.",))
+    taken = []
+
+    def compiles(worker):
+        for i in range(500):
+            recorder.on_compile({"key": f"{worker}-{i % 250}"})  # each key twice: deduplicated
+
+    def saver():
+        for _ in range(200):
+            taken.extend(recorder.take_unsaved())
+
+    threads = [threading.Thread(target=compiles, args=(w,)) for w in range(4)] + [threading.Thread(target=saver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    taken.extend(recorder.take_unsaved())
+    assert recorder.recorded == 1000 and len(taken) == 1000 and len({e.key for e in taken}) == 1000
+
+
+def test_learner_keeps_entries_whose_save_failed(tmp_path, kwarm_log, monkeypatch):
+    from kwarm_ext import triton_compat
+    from kwarm_ext.manifest import Stamp
+    from kwarm_ext.triton_compat import CompileRecord
+
+    monkeypatch.setattr(triton_compat, "describe_compile", lambda kw: CompileRecord(
+        "vllm.x", "k", "s", "[('i32', 'D')]{'debug': False}", {"debug": False},
+        {"name": "vllm.x.k", "signature": {"n": "i32"}, "constant_keys": [], "constant_vals": [],
+         "attrs_keys": [], "attrs_vals": []}))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    learner = learn.Learner(str(blocker / "m.json"), Stamp("3.6.0", "cuda:90"), learn.Recorder(("vllm.",)), 0)
+    learner.recorder.on_compile({})
+    learner.save_quietly("periodic")
+    learner.save_quietly("periodic")
+    assert len(kwarm_log.messages()) == 1 and "saving the manifest" in kwarm_log.messages()[0]
+    learner.path = str(tmp_path / "m.json")
+    result = learner.save("exit")
+    assert (result.added, learner.learned, learner.save("exit")) == (1, 1, None)
+
+
+RECORD = """
+import json, sys
+import replay_kernels as rk
+rk.install_fake_driver()
+from triton import knobs
+from kwarm_ext import learn, monitor, triton_compat
+import triton, torch
+
+out = {"triton": triton.__version__}
+if triton_compat.version_tuple() < (3, 7):
+    # The Triton bug the serializer patch works around: with any hook set, a kernel taking a
+    # jitted function as a constexpr fails to launch.
+    knobs.runtime.jit_post_compile_hook = lambda **kw: None
+    try:
+        rk.apply_kernel.warmup(torch.float16, torch.float16, 5, FN=rk.relu, BLOCK=64, grid=(1,))
+        out["stock_serializer"] = "ok"
+    except TypeError as exc:
+        out["stock_serializer"] = str(exc)
+    knobs.runtime.jit_post_compile_hook = None
+recorder = learn.Recorder(("vllm.", "kwarm_ext.", "replay_kernels"))
+monitor.listen(recorder.on_compile)
+vllm_only = learn.Recorder(("vllm.",))  # the default allow-list: the test module is foreign
+monitor.listen(vllm_only.on_compile)
+rk.choose_autotune_configs()
+rk.launch_all()
+out["vllm_only"] = vllm_only.recorded
+entries = recorder.take_unsaved()
+out["entries"] = [e.as_json() for e in entries]
+out["source_keys"] = {"copy_kernel": rk.copy_kernel.cache_key, "apply_kernel": rk.apply_kernel.cache_key,
+                      "relu": rk.relu.cache_key}
+out["kernels"] = sorted(recorder.kernels())
+print(json.dumps(out))
+"""
+
+
+def test_records_identity_key_options_and_specialization(tmp_path):
+    out = last_json(run_py(RECORD, env=triton_env(tmp_path)))
+    if "stock_serializer" in out:
+        assert "JITFunction is not JSON serializable" in out["stock_serializer"]
+    entries = out["entries"]
+    assert out["vllm_only"] == 0
+    assert {tuple(k) for k in out["kernels"]} == {("replay_kernels", n) for n in (
+        "copy_kernel", "heuristic_kernel", "tuned_kernel", "apply_kernel")}
+    copies = [e for e in entries if e["qualname"] == "copy_kernel"]
+    assert len(copies) == 4 and all(e["source_key"] == out["source_keys"]["copy_kernel"] for e in copies)
+    wide = next(e for e in copies if "num_warps" in e["launch_options"])
+    assert wide["launch_options"] == {"num_warps": 8, "debug": False, "instrumentation_mode": ""}
+    assert wide["key"].endswith("{'num_warps': 8, 'debug': False, 'instrumentation_mode': ''}")
+    spec = wide["spec"]
+    assert spec["name"] == "replay_kernels.copy_kernel" and "options" not in spec and "key" not in spec
+    assert spec["signature"] == {"x_ptr": "*fp16", "y_ptr": "*fp16", "n": "i32", "BLOCK": "constexpr"}
+    assert spec["constant_keys"] == [[3]] and spec["constant_vals"] == [128]
+    one = next(e for e in copies if "('constexpr', 1)" in e["key"])  # n == 1 specializes to a constant
+    assert one["spec"]["constant_vals"] == [1, 128]
+    apply = next(e for e in entries if e["qualname"] == "apply_kernel")
+    assert apply["spec"]["constant_vals"][0] == {"jit_function": "replay_kernels:relu"}
+    assert out["source_keys"]["relu"] in apply["key"]
