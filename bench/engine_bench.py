@@ -125,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kwarm", choices=("on", "off"), default="on")
     p.add_argument("--scenario", choices=SCENARIOS, default="default")
     p.add_argument("--triton-cache", default="fresh", metavar="fresh|reuse|DIR")
+    p.add_argument("--variant", default="",
+                   help="free label shown next to kwarm's mode in the table (e.g. 'learn', 'replay')")
     p.add_argument("--out", help="result JSON (default bench/results/<model>-vllm<ver>-kwarm<on|off>-<cold|warm>.json)")
     p.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN (default: vLLM's choice)")
     p.add_argument("--enforce-eager", action="store_true")
@@ -454,7 +456,7 @@ def main(argv=None) -> int:
         "architectures": cfg.get("architectures"), "scenario": args.scenario,
         "versions": versions, "gpu": torch.cuda.get_device_name(0),
         "args": vars(args), "engine_kwargs": kwargs,
-        "kwarm": args.kwarm, "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
+        "kwarm": args.kwarm, "variant": args.variant, "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
         "cache": cache,
         "import_s": round(import_s, 3), "init_s": round(init_s, 3),
         "kwarm_warmup_s": report.get("total_s") if report else None,

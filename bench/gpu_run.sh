@@ -18,6 +18,9 @@
 #   MODELS="tiny-qwen3-next tiny-deepseek-v32"   folders under bench/models/
 #   MODES="off on"        kwarm modes
 #   WARM=1                0: cold runs only
+#   LEARN=1               kwarm-on cold runs learn a manifest; a third run replays it
+#                         on empty caches (0: no learning, no replay run)
+#   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores
 #   SCENARIO=default      default | smoke
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
 #   COLD_TIMEOUT=360      cap of one cold run (s)
@@ -36,6 +39,8 @@ VER=${VER:-0.24.0}
 MODELS=${MODELS:-"tiny-qwen3-next tiny-deepseek-v32"}
 MODES=${MODES:-"off on"}
 WARM=${WARM:-1}
+LEARN=${LEARN:-1}
+REPLAY_BENCH=${REPLAY_BENCH:-1}
 SCENARIO=${SCENARIO:-default}
 BUDGET=${BUDGET:-570}
 COLD_TIMEOUT=${COLD_TIMEOUT:-360}
@@ -99,36 +104,57 @@ model_args() {
   esac
 }
 
+# One engine run: run_one TAG CACHE_DIR LIMIT_CAP [ENV=VALUE...] -- [engine_bench args...]
+run_one() {
+  local tag=$1 cache=$2 cap=$3; shift 3
+  local envs=() ; while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  local left=$(( DEADLINE - $(date +%s) - 20 )) limit
+  limit=$left; [ "$cap" -lt "$limit" ] && limit=$cap
+  if [ "$limit" -lt 60 ]; then
+    echo "$tag: skipped (${left}s left)" | tee -a "$OUT/status.txt"; return 99
+  fi
+  mkdir -p "$cache"
+  local t0 rc
+  t0=$(date +%s)
+  env "VLLM_CACHE_ROOT=$cache/vllm" "TORCHINDUCTOR_CACHE_DIR=$cache/inductor" "${envs[@]}" \
+    timeout -k 15 "$limit" "$PY" bench/engine_bench.py "$@" --triton-cache "$cache/triton" \
+    --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
+  rc=$?
+  echo "$tag: rc=$rc in $(( $(date +%s) - t0 )) s$( [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (timeout ${limit}s)")" \
+    | tee -a "$OUT/status.txt"
+  [ "$rc" -eq 0 ] || echo "$tag" >>"$OUT/failed.txt"
+  return $rc
+}
+
+# kwarm off: cold, then warm on the same caches.
+# kwarm on:  cold (families; with LEARN=1 it also learns this deployment's manifest), with LEARN=1
+#            new empty caches replaying it (families + replay), then a warm run on the
+#            cold run's caches (families only: KWARM_WARMUPS=-replay).
 pipeline() {
   local model=$1 mode=$2
   local tag=$model-vllm$VER-kwarm$mode cache=$WORK/$model-vllm$VER-kwarm$mode
-  rm -rf "$cache" && mkdir -p "$cache"
+  local manifest=$OUT/$model-vllm$VER.manifest.json
+  rm -rf "$cache" "$cache-replay"
   # shellcheck disable=SC2046,SC2086
   local args=("bench/models/$model" --kwarm "$mode" --scenario "$SCENARIO"
               --gpu-memory-utilization "$GPU_UTIL" --kv-cache-memory-bytes "$KV_BYTES"
-              $(model_args "$model") $BENCH_ARGS --triton-cache "$cache/triton")
-  local phase rc=0
-  for phase in cold warm; do
-    if [ "$phase" = warm ] && { [ "$WARM" != 1 ] || [ "$rc" -ne 0 ]; }; then
-      break
-    fi
-    local left=$(( DEADLINE - $(date +%s) - 20 )) limit
-    limit=$left
-    if [ "$phase" = cold ] && [ "$COLD_TIMEOUT" -lt "$limit" ]; then limit=$COLD_TIMEOUT; fi
-    if [ "$limit" -lt 60 ]; then
-      echo "$tag-$phase: skipped (${left}s left)" | tee -a "$OUT/status.txt"; break
-    fi
-    local envs=("VLLM_CACHE_ROOT=$cache/vllm" "TORCHINDUCTOR_CACHE_DIR=$cache/inductor")
-    [ "$mode" = on ] && envs+=("KWARM_REPORT=$OUT/$tag-$phase.kwarm-report.json")
-    local t0
-    t0=$(date +%s)
-    env "${envs[@]}" timeout -k 15 "$limit" "$PY" bench/engine_bench.py "${args[@]}" \
-      --out "$OUT/$tag-$phase.json" >"$OUT/$tag-$phase.log" 2>&1
-    rc=$?
-    echo "$tag-$phase: rc=$rc in $(( $(date +%s) - t0 )) s$( [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (timeout ${limit}s)")" \
-      | tee -a "$OUT/status.txt"
-    [ "$rc" -eq 0 ] || echo "$tag-$phase" >>"$OUT/failed.txt"
-  done
+              $(model_args "$model") $BENCH_ARGS)
+  local on=() learn=()
+  if [ "$mode" = on ]; then
+    on=("KWARM_REPORT=$OUT/$tag-cold.kwarm-report.json" "KWARM_MANIFEST=$manifest")
+    [ "$LEARN" = 1 ] && learn=("KWARM_LEARN=1" "KWARM_LEARN_INTERVAL=15")
+  fi
+  run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
+    --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
+  if [ "$mode" = on ] && [ "$LEARN" = 1 ] && [ -f "$manifest" ]; then
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
+      "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
+  fi
+  if [ "$WARM" = 1 ]; then
+    local warm_env=()
+    [ "$mode" = on ] && warm_env=("KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_WARMUPS=-replay")
+    run_one "$tag-warm" "$cache" "$COLD_TIMEOUT" "${warm_env[@]}" -- "${args[@]}"
+  fi
 }
 
 echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, budget ${BUDGET}s"
@@ -140,6 +166,20 @@ for model in $MODELS; do
 done
 wait
 
+# Replay cost of each learned manifest, one thread vs all cores, once the engines are done
+# (alone on the host, so that the two timings compare).
+if [ "$REPLAY_BENCH" = 1 ]; then
+  for manifest in "$OUT"/*.manifest.json; do
+    left=$(( DEADLINE - $(date +%s) - 30 ))
+    if [ "$left" -lt 90 ]; then echo "replay bench: skipped ${manifest##*/} (${left}s left)" | tee -a "$OUT/status.txt"; continue; fi
+    name=$(basename "$manifest" .manifest.json)
+    timeout "$left" "$PY" bench/replay_bench.py "$manifest" --threads 1 "$(nproc)" \
+      --out "$OUT/$name.replay-bench.json" >"$OUT/$name.replay-bench.log" 2>&1
+    echo "replay bench $name: rc=$?" | tee -a "$OUT/status.txt"
+    grep SUMMARY "$OUT/$name.replay-bench.log"
+  done
+fi
+
 # ------------------------------------------------------------------------ report
 # A failed or timed-out run keeps the JSON it wrote after init and after each request
 # ("complete": false, shown as "cut short" in the table).
@@ -149,7 +189,7 @@ if [ -f "$OUT/failed.txt" ]; then
     grep -v "^INFO\|^(EngineCore" "$OUT/$run.log" | tail -25
   done <"$OUT/failed.txt"
 fi
-results=("$OUT"/*-cold.json "$OUT"/*-warm.json)
+results=("$OUT"/*-cold.json "$OUT"/*-warm.json "$OUT"/*-replay.json)
 if [ ${#results[@]} -eq 0 ]; then
   echo "no results"; exit 1
 fi

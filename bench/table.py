@@ -141,14 +141,18 @@ def request_cell(run: dict) -> str:
     return cell
 
 
+def kwarm_mode(run: dict) -> str:
+    return run["kwarm"] + (f" ({run['variant']})" if run.get("variant") else "")
+
+
 def run_name(run: dict) -> str:
-    return (f"{run['model']} · vLLM {run['versions']['vllm']} · kwarm {run['kwarm']} · "
+    return (f"{run['model']} · vLLM {run['versions']['vllm']} · kwarm {kwarm_mode(run)} · "
             f"{run['cache']['label']} Triton cache")
 
 
 def _sort_key(run: dict):
     return (run["model"], run["scenario"], run["versions"]["vllm"], run["kwarm"] != "off",
-            run["cache"]["label"] != "cold", run.get("_path", ""))
+            run.get("variant", ""), run["cache"]["label"] != "cold", run.get("_path", ""))
 
 
 def render_table(runs: list[dict]) -> str:
@@ -164,7 +168,7 @@ def render_table(runs: list[dict]) -> str:
     ]
     for run in runs:
         warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
-        lines.append(f"| {run['versions']['vllm']} | {run['kwarm']} | {run['cache']['label']} "
+        lines.append(f"| {run['versions']['vllm']} | {kwarm_mode(run)} | {run['cache']['label']} "
                      f"| {fmt_s(run['init_s'])} | {warm} | {request_cell(run)} | {total_jit(run)} "
                      f"| {fmt_ratio(first_steady_ratio(run))} |")
     return "\n".join(lines)
