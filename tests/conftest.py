@@ -2,6 +2,7 @@
 Python files from .rel/) and a handler on the ``kwarm`` logger."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -46,6 +47,13 @@ def run_py(code: str, *, env: dict | None = None, release: str | None = None, ar
     cwd = cwd or tempfile.gettempdir()
     return subprocess.run([python or sys.executable, *args, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def result_of(proc: subprocess.CompletedProcess):
+    """The JSON after the last ``RESULT `` line a `run_py` child printed (asserting it ran)."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def cpu_triton_env(**extra) -> dict:

@@ -26,7 +26,7 @@ import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, run_py
+from conftest import MATRIX, cpu_triton_env, result_of, run_py
 
 # Outside the checkout: `kwarm_ext.kernels` exists only in the installed copy.
 NEUTRAL_CWD = tempfile.gettempdir()
@@ -202,9 +202,7 @@ def _batch(release: str) -> dict:
     cases = {name: dict(BASE, **overrides) for name, overrides in CASES[release].items()}
     proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(cases))), release=release,
                   env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return result_of(proc)
 
 
 def _run(release: str, case: str) -> dict:
@@ -420,7 +418,5 @@ print("RESULT " + json.dumps([fam.has_mixed_split_path(), fam.param_mode(kernel,
       fam.param_mode(kernel, "stride_x_token"), "qwen4_exp" in up._QWEN_MODEL_TYPES,
       hasattr(up, "_warm_gated_rms_norm_kernel"), [c.__name__ for c in layer.__mro__][:2]]))
 """, release="0.33.0", env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    assert json.loads(lines[-1][7:]) == [True, "absent", "class", True, True,
+    assert result_of(proc) == [True, "absent", "class", True, True,
                                          ["QwenGatedDeltaNetAttention", "GatedDeltaNetAttention"]]

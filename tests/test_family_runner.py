@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, run_py
+from conftest import MATRIX, cpu_triton_env, result_of, run_py
 
 # Outside the checkout: `kwarm_ext.kernels` exists only in the installed copy (kernels/ ships
 # under that name), so the source tree must not shadow it on sys.path.
@@ -153,9 +153,7 @@ def _batch(release: str) -> dict:
     cases = {name: dict(QWEN_HYBRID, **overrides) for name, overrides in CASES[release].items()}
     proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(cases))), release=release,
                   env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return result_of(proc)
 
 
 def _run(release: str, case: str) -> dict:
@@ -294,6 +292,4 @@ print("RESULT " + json.dumps([fam.param_mode(slot, "num_tokens"), fam.param_mode
       hasattr(resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel"), "register_warmup")]))
 ''', release="0.33.0", env=cpu_triton_env(), timeout=240,
                   cwd=NEUTRAL_CWD)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    assert json.loads(lines[-1][7:]) == ["dns", "absent", True]
+    assert result_of(proc) == ["dns", "absent", True]
