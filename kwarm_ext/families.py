@@ -55,6 +55,6 @@ FAMILIES = {
         Family("qwen_gdn", "kwarm_ext.kernels.qwen_gdn",
                "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm"),
         Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
-               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion"),
+               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits"),
     )
 }
