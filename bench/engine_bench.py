@@ -520,8 +520,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def flush_kwarm_learning() -> None:
+    """os._exit below skips atexit, where kwarm saves what it learned (KWARM_LEARN)."""
+    if "kwarm_ext.learn" in sys.modules:
+        try:
+            sys.modules["kwarm_ext.learn"].flush()
+        except Exception as exc:  # the result is written already; say why the manifest may lag
+            print(f"engine_bench: kwarm's manifest flush failed: {exc!r}", file=sys.stderr)
+
+
 if __name__ == "__main__":
     code = main()
+    flush_kwarm_learning()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: an in-process engine's threads can hang it, and the

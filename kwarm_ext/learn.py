@@ -233,6 +233,12 @@ def _save_at_exit() -> None:
         learner.save_quietly("exit")
 
 
+def flush() -> None:
+    """Save what was learned now, for a process that leaves through ``os._exit`` (which skips
+    ``atexit``): call it last; learning stops."""
+    _save_at_exit()
+
+
 def current() -> Learner | None:
     return _learner
 
