@@ -123,6 +123,7 @@ import os
 
 from kwarm_ext import vllm_compat
 from kwarm_ext.families import Step
+from kwarm_ext.triton_compat import int_class
 from kwarm_ext.vllm_compat import Missing
 
 logger = logging.getLogger("kwarm")
@@ -192,13 +193,6 @@ def _planned(steps_of, name: str, kernel: str, view, forced: bool) -> list:
 
 
 # -- Triton's specialization classes ------------------------------------------------------
-
-def int_class(value: int) -> str:
-    """Triton's value class of a non-constexpr int argument."""
-    if value == 1:
-        return "one"
-    return "div16" if value % 16 == 0 else "other"
-
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCase:

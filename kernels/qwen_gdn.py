@@ -75,8 +75,8 @@ import logging
 import types
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import (INT_CLASSES, classes_for, int_key, param_mode, synchronize,
-                                      upstream_qwen_module)
+from kwarm_ext.kernels.runner import INT_CLASSES, classes_for, int_key, synchronize, upstream_qwen_module
+from kwarm_ext.triton_compat import param_mode
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
 logger = logging.getLogger("kwarm")

@@ -74,6 +74,7 @@ import importlib
 import logging
 
 from kwarm_ext.families import Step
+from kwarm_ext.triton_compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, bind, params, resolve
 
 logger = logging.getLogger("kwarm")
@@ -317,35 +318,6 @@ def block_tables(runner) -> list:
     return list(tables) if tables is not None else [multi]
 
 
-def param_mode(kernel, name: str) -> str:
-    """How Triton keys `name` of `kernel`: absent | constexpr | dns | class (1 / %16 / other)."""
-    fn = kernel
-    for _ in range(8):  # Heuristics/Autotuner wrap the JITFunction in .fn
-        if hasattr(fn, "params") or hasattr(fn, "arg_names"):
-            break
-        fn = getattr(fn, "fn", None)
-        if fn is None:
-            return "absent"
-    if hasattr(fn, "params"):  # JITFunction
-        for p in fn.params:
-            if p.name == name:
-                if p.is_constexpr:
-                    return "constexpr"
-                return "dns" if p.do_not_specialize else "class"
-        return "absent"
-    # InterpretedFunction (TRITON_INTERPRET=1): the jit kwargs and the Python signature
-    import inspect
-
-    sig = inspect.signature(fn.fn).parameters
-    if name not in sig:
-        return "absent"
-    if "constexpr" in str(sig[name].annotation):
-        return "constexpr"
-    dns = fn.kwargs.get("do_not_specialize") or ()
-    index = list(sig).index(name)
-    return "dns" if (name in dns or index in dns) else "class"
-
-
 def classes_for(mode: str) -> tuple:
     return INT_CLASSES if mode in ("class", "constexpr") else (1,)
 
@@ -356,7 +328,7 @@ def int_key(value: int, mode: str):
         return None
     if mode == "constexpr":
         return value
-    return "1" if value == 1 else ("16k" if value % 16 == 0 else "other")
+    return int_class(value)
 
 
 def synchronize(device) -> None:

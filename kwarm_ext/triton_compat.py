@@ -564,3 +564,43 @@ def find_config(kernel: ResolvedKernel, wanted: dict):
     if config is None:
         return None, "the recorded config is no longer among the kernel's configs"
     return config, None
+
+
+# ------------------------------------------------------------------ specialization classes
+# The warmup families use these to tell which integer values give distinct Triton keys.
+
+
+def int_class(value: int) -> str:
+    """Triton's value class of a specialized (non-constexpr, non-dns) int argument."""
+    if value == 1:
+        return "one"
+    return "div16" if value % 16 == 0 else "other"
+
+
+def param_mode(kernel, name: str) -> str:
+    """How Triton keys `name` of `kernel`: absent | constexpr | dns | class (1 / %16 / other)."""
+    fn = kernel
+    for _ in range(8):  # Heuristics/Autotuner wrap the JITFunction in .fn
+        if hasattr(fn, "params") or hasattr(fn, "arg_names"):
+            break
+        fn = getattr(fn, "fn", None)
+        if fn is None:
+            return "absent"
+    if hasattr(fn, "params"):  # JITFunction
+        for p in fn.params:
+            if p.name == name:
+                if p.is_constexpr:
+                    return "constexpr"
+                return "dns" if p.do_not_specialize else "class"
+        return "absent"
+    # InterpretedFunction (TRITON_INTERPRET=1): the jit kwargs and the Python signature
+    import inspect
+
+    sig = inspect.signature(fn.fn).parameters
+    if name not in sig:
+        return "absent"
+    if "constexpr" in str(sig[name].annotation):
+        return "constexpr"
+    dns = fn.kwargs.get("do_not_specialize") or ()
+    index = list(sig).index(name)
+    return "dns" if (name in dns or index in dns) else "class"
