@@ -2,6 +2,7 @@
 Python files from .rel/) and a handler on the ``kwarm`` logger."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -60,6 +61,38 @@ def cpu_triton_env(**extra) -> dict:
     """vLLM's Triton kernels on CPU: the interpreter, and CUDA_VISIBLE_DEVICES set but empty
     (vLLM treats that as a distributed environment and keeps Triton enabled)."""
     return clean_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **extra)
+
+
+class PerRelease:
+    """One expensive scenario subprocess per vLLM release per session, two releases at a time
+    (each is one CPU-bound process), started for every release a module's tests will ask for.
+
+    `run(release)` returns ``(ok, value)``; :meth:`result` asserts ok and returns value.
+    """
+
+    def __init__(self, run):
+        self._run = run
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        self._futures: dict = {}
+
+    def start(self, release: str) -> concurrent.futures.Future:
+        if release not in self._futures:
+            self._futures[release] = self._pool.submit(self._run, release)
+        return self._futures[release]
+
+    def result(self, release: str):
+        ok, value = self.start(release).result()
+        assert ok, value
+        return value
+
+    def prefetch(self, request):
+        """Generator body for a module-scoped autouse fixture."""
+        for item in request.session.items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if item.module is request.module and "release" in params:
+                self.start(params["release"])
+        yield
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class LogRecords(logging.Handler):

@@ -44,13 +44,12 @@ template parameters DeepGEMM's SM90 kernels are specialized on (read in the whee
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import tempfile
 
 import pytest
 
-from conftest import MATRIX, REPO, cpu_triton_env, run_py
+from conftest import MATRIX, REPO, PerRelease, cpu_triton_env, run_py
 
 CONFIG = str(REPO / "bench" / "models" / "tiny-deepseek-v32" / "config.json")  # index 64 x 128, top-k 256
 MARK = "KWARM-DG-RESULT "
@@ -431,30 +430,17 @@ print("KWARM-DG-RESULT " + json.dumps(OUT, default=repr))
 '''
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-_RUNS: dict = {}
-
-
-def _start(release: str) -> concurrent.futures.Future:
-    if release not in _RUNS:
-        _RUNS[release] = _POOL.submit(_scenario, release)
-    return _RUNS[release]
+SCENARIOS = PerRelease(lambda release: _scenario(release))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _prefetch(request):
-    for item in request.session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.module is request.module and "release" in params:
-            _start(params["release"])
-    yield
-    _POOL.shutdown(wait=False, cancel_futures=True)
+    yield from SCENARIOS.prefetch(request)
 
 
 def scenario(release: str) -> dict:
-    ok, value = _start(release).result()
-    assert ok, value
-    return value
+    """The scenario's results for `release` (one subprocess per release per session)."""
+    return SCENARIOS.result(release)
 
 
 def _scenario(release: str) -> tuple[bool, object]:

@@ -26,14 +26,13 @@ too.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import json
 import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, run_py
+from conftest import MATRIX, PerRelease, cpu_triton_env, run_py
 
 CONFIG = "/work/shared/gpu-kit/models/tiny-deepseek-v32/config.json"
 MARK = "KWARM-DSA-RESULT "
@@ -358,32 +357,17 @@ print("KWARM-DSA-RESULT " + json.dumps(OUT, default=repr))
 '''
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-_RUNS: dict = {}
-
-
-def _start(release: str) -> concurrent.futures.Future:
-    if release not in _RUNS:
-        _RUNS[release] = _POOL.submit(_scenario, release)
-    return _RUNS[release]
+SCENARIOS = PerRelease(lambda release: _scenario(release))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _prefetch(request):
-    """Start the selected releases' scenarios, two at a time (each is one CPU-bound process)."""
-    for item in request.session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.module is request.module and "release" in params:
-            _start(params["release"])
-    yield
-    _POOL.shutdown(wait=False, cancel_futures=True)
+    yield from SCENARIOS.prefetch(request)
 
 
 def scenario(release: str) -> dict:
     """The scenario's results for `release` (one subprocess per release per session)."""
-    ok, value = _start(release).result()
-    assert ok, value
-    return value
+    return SCENARIOS.result(release)
 
 
 def _scenario(release: str) -> tuple[bool, object]:
