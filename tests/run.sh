@@ -14,22 +14,25 @@ VENV=${KWARM_TEST_VENV:-.venv}
 PY=${PYTHON:-python3}
 RELEASES=${KWARM_TEST_RELEASES:-0.20.0 0.22.0 0.26.0 0.28.0 0.33.0}
 
+# pip, without this machine's "Location ... is ignored" noise; pip's own status is kept (pipefail).
+pip_() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
   echo "== creating $VENV with vllm==0.24.0 (a few minutes the first time)"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip "setuptools>=70.1,<82" wheel
-  "$VENV/bin/pip" install -q "vllm==0.24.0" pytest gguf
+  pip_ install -q --upgrade pip "setuptools>=70.1,<82" wheel
+  pip_ install -q "vllm==0.24.0" pytest gguf
 fi
 echo "== installing kwarm-ext from this tree"
-"$VENV/bin/pip" install -q --no-deps --force-reinstall --no-build-isolation . 2>&1 | grep -v "^WARNING: Location" || true
-"$VENV/bin/pip" install -q wrapt 2>&1 | grep -v "^WARNING: Location" || true
+pip_ install -q --no-deps --force-reinstall --no-build-isolation .
+pip_ install -q wrapt
 
 for ver in $RELEASES; do
   dest=.rel/vllm-$ver
   [ -f "$dest/.complete" ] && continue
   echo "== fetching vLLM $ver's Python files into $dest"
   rm -rf "$dest" && mkdir -p "$dest/.whl"
-  "$VENV/bin/pip" download -q --no-deps -d "$dest/.whl" "vllm==$ver" 2>&1 | grep -v "^WARNING: Location" || true
+  pip_ download -q --no-deps -d "$dest/.whl" "vllm==$ver"
   "$VENV/bin/python" - "$dest" <<'PY'
 import glob, sys, zipfile
 dest = sys.argv[1]
@@ -39,7 +42,7 @@ PY
   rm -rf "$dest/.whl"
   # Extra modules an import of this release asks for beyond 0.24.0's dependencies.
   case "$ver" in
-    0.33.*) "$VENV/bin/pip" install -q --no-deps --target "$dest" "humming-kernels==0.1.19" 2>&1 | grep -v "^WARNING: Location" || true ;;
+    0.33.*) pip_ install -q --no-deps --target "$dest" "humming-kernels==0.1.19" ;;
   esac
   touch "$dest/.complete"
 done
