@@ -66,6 +66,7 @@ def patch(module) -> bool:
     if is_patched(module):
         return False
     wrapt.wrap_function_wrapper(module, TARGET_ATTRIBUTE, _wrap_kernel_warmup)
+    logger.info("kwarm: hooked %s.%s: kwarm's warmup runs after vLLM's", TARGET_MODULE, TARGET_ATTRIBUTE)
     return True
 
 
