@@ -75,7 +75,8 @@ import logging
 import types
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import INT_CLASSES, classes_for, int_key, synchronize, upstream_qwen_module
+from kwarm_ext.kernels.runner import (INT_CLASSES, classes_for, int_key, split_steps, synchronize,
+                                      upstream_qwen_module)
 from kwarm_ext.triton_compat import param_mode
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
@@ -264,15 +265,6 @@ def has_mixed_split_path() -> bool:
     return "prefill_state_indices" in getattr(meta, "__dataclass_fields__", {})
 
 
-def _split(steps_name, kernel, keys_todo, keys_covered, up_name, run):
-    out = []
-    if keys_covered:
-        out.append(Step(f"{steps_name}[upstream]", kernel, skip=f"covered by upstream {up_name}"))
-    if keys_todo:
-        out.append(Step(steps_name, kernel, run=run))
-    return out
-
-
 # --- prefill conv ------------------------------------------------------------------------
 
 def _conv_steps(work, tag, upstream, max_tokens) -> list:
@@ -297,7 +289,7 @@ def _conv_steps(work, tag, upstream, max_tokens) -> list:
         covered = tuple(t for t in counts if key(t, s.pitch, conv_output(s, t).stride(0), s.index_stride,
                                                  s.has_bias) == up_key)
     todo = tuple(t for t in counts if t not in covered)
-    return _split(name, kernel_name, todo, covered, "qwen_triton_warmup (causal_conv1d_fn)",
+    return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (causal_conv1d_fn)",
                   lambda: warm_conv_fwd(work, fn, todo))
 
 
@@ -407,7 +399,7 @@ def _post_conv_steps(work, tag, upstream, max_tokens, split_path) -> list:
                         if key(v[2], conv_output(s, v[0] + v[2]).stride(0),
                                s.ab_stride, v[1]) in up_keys)
     todo = tuple(v for v in variants if v not in covered)
-    return _split(name, kernel_name, todo, covered, "qwen_triton_warmup (fused_post_conv_prep)",
+    return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (fused_post_conv_prep)",
                   lambda: warm_post_conv(work, fn, todo))
 
 
@@ -455,7 +447,7 @@ def _sigmoid_steps(work, tag, upstream) -> list:
     covered = (upstream is not None
                and hasattr(upstream, "_warm_fused_sigmoid_gating_delta_rule_update_kernel")
                and work.shape.index_stride == 1)
-    return _split(name, kernel_name, () if covered else (1,), (1,) if covered else (),
+    return split_steps(name, kernel_name, () if covered else (1,), (1,) if covered else (),
                   "qwen_triton_warmup (fused_sigmoid_gating_delta_rule_update)",
                   lambda: warm_sigmoid(work, fn))
 

@@ -136,22 +136,10 @@ def _slot_mapping_steps(view, forced: bool) -> list:
     except Missing as exc:
         return [Step("slot_mapping", _SLOT_KERNEL, skip=str(exc))]
     mode = param_mode(kernel, "num_tokens")
-    counts = classes_for(mode)
-    upstream = _upstream_slot_mapping(view)
-    todo, covered = counts, ()
-    if upstream is not None and not forced:
-        name, up_counts = upstream
-        up_keys = {int_key(t, mode) for t in up_counts}
-        todo = tuple(t for t in counts if int_key(t, mode) not in up_keys)
-        covered = tuple(t for t in counts if int_key(t, mode) in up_keys)
-    steps = []
-    if covered:
-        steps.append(Step("slot_mapping[upstream]", _SLOT_KERNEL,
-                          skip=f"covered by upstream {upstream[0]}"))
-    if todo:
-        steps.append(Step("slot_mapping", _SLOT_KERNEL,
-                          run=lambda: warm_slot_mapping(view.runner, tables, todo)))
-    return steps
+    upstream = None if forced else _upstream_slot_mapping(view)
+    todo, covered = partition(classes_for(mode), mode, upstream)
+    return split_steps("slot_mapping", _SLOT_KERNEL, todo, covered, upstream and upstream[0],
+                       lambda: warm_slot_mapping(view.runner, tables, todo))
 
 
 def _zero_steps(view, forced: bool) -> list:
@@ -167,22 +155,30 @@ def _zero_steps(view, forced: bool) -> list:
     except (Missing, AttributeError) as exc:
         return [Step("zero_kv_blocks", _ZERO_KERNEL, skip=str(exc))]
     mode = param_mode(kernel, "n_blocks")
-    counts = classes_for(mode)
-    upstream = _upstream_zero(view, zeroer)
-    todo, covered = counts, ()
-    if upstream is not None and not forced:
-        name, up_counts = upstream
-        up_keys = {int_key(n, mode) for n in up_counts}
-        todo = tuple(n for n in counts if int_key(n, mode) not in up_keys)
-        covered = tuple(n for n in counts if int_key(n, mode) in up_keys)
+    upstream = None if forced else _upstream_zero(view, zeroer)
+    todo, covered = partition(classes_for(mode), mode, upstream)
+    use_warmup = forced and len(todo) == 1 and callable(getattr(zeroer, "warmup", None))
+    return split_steps("zero_kv_blocks", _ZERO_KERNEL, todo, covered, upstream and upstream[0],
+                       lambda: warm_zero_blocks(view.runner, zeroer, todo, use_warmup))
+
+
+def partition(counts, mode: str, upstream) -> tuple:
+    """Split integer `counts` into (to warm, already warmed by upstream's ``(name, counts)``),
+    comparing the keys Triton would build for them."""
+    if upstream is None:
+        return tuple(counts), ()
+    up_keys = {int_key(n, mode) for n in upstream[1]}
+    return (tuple(n for n in counts if int_key(n, mode) not in up_keys),
+            tuple(n for n in counts if int_key(n, mode) in up_keys))
+
+
+def split_steps(name: str, kernel: str, todo, covered, up_name, run) -> list:
+    """A skipped ``name[upstream]`` step for what upstream covers, a running one for the rest."""
     steps = []
     if covered:
-        steps.append(Step("zero_kv_blocks[upstream]", _ZERO_KERNEL,
-                          skip=f"covered by upstream {upstream[0]}"))
+        steps.append(Step(f"{name}[upstream]", kernel, skip=f"covered by upstream {up_name}"))
     if todo:
-        use_warmup = forced and len(todo) == 1 and callable(getattr(zeroer, "warmup", None))
-        steps.append(Step("zero_kv_blocks", _ZERO_KERNEL,
-                          run=lambda: warm_zero_blocks(view.runner, zeroer, todo, use_warmup)))
+        steps.append(Step(name, kernel, run=run))
     return steps
 
 

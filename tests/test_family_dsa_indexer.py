@@ -365,9 +365,7 @@ def _prefetch(request):
     yield from SCENARIOS.prefetch(request)
 
 
-def scenario(release: str) -> dict:
-    """The scenario's results for `release` (one subprocess per release per session)."""
-    return SCENARIOS.result(release)
+scenario = SCENARIOS.result  # the results for one release (one subprocess per release per session)
 
 
 def _scenario(release: str) -> tuple[bool, object]:
