@@ -56,5 +56,8 @@ FAMILIES = {
                "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm"),
         Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
                "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits"),
+        Family("fused_moe", "kwarm_ext.kernels.fused_moe",
+               "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
+               "(config region x integer class), through the runner's own dummy runs"),
     )
 }

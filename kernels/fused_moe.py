@@ -1,0 +1,279 @@
+"""Warmup family ``fused_moe``: vLLM's Triton fused-MoE GEMM at every token count that runs
+outside CUDA graphs.
+
+Why:
+    ``fused_moe_kernel`` (``vllm/model_executor/layers/fused_moe/fused_moe.py``) runs twice per
+    MoE layer and step (the gate/up GEMM, then the down GEMM that multiplies by the router
+    weights: ``MUL_ROUTED_WEIGHT``). Its key depends on the step's token count M three ways:
+
+    - the tile config, ``try_get_optimal_moe_config(..., M, ...)``: the nearest entry of a
+      tuned table, else ``get_default_config``'s M thresholds (BLOCK_SIZE_M/N/K, GROUP_SIZE_M,
+      num_warps, num_stages);
+    - the integer class (``%16``, ``==1``, other) of ``EM`` (the padded sorted-token count)
+      and ``num_valid_tokens`` (M * top_k), both runtime-specialized;
+    - which of two EM formulas applies (vLLM takes the small-batch one while
+      M < BLOCK_SIZE_M, and its result depends on whether M * top_k < E).
+
+    CUDA-graph capture compiles it only at the capture sizes, and batches up to the largest
+    capture size are padded to one of those. Every larger batch (prefills, mixed steps) runs
+    eagerly with its exact M, so each new (config, class) pair compiles on a request: on the
+    GPU host, tiny DeepSeek-V3.2 on vLLM 0.24.0 and 0.26.0 with kwarm's other families, the
+    only Triton compiles left in requests were ``fused_moe_kernel`` (two per new M class;
+    ``BENCHMARKS.md``). No vLLM release 0.20-0.33 warms it (``kernel_warmup`` runs FlashInfer
+    autotune dummy runs, not this kernel).
+
+How:
+    1. Probe: one ``runner._dummy_run(M0, cudagraph_runtime_mode=NONE)`` at the smallest
+       eager M while vLLM's ``try_get_optimal_moe_config`` is observed (see
+       :func:`observed_config_calls`), to learn the exact arguments production passes (weight
+       shapes, top_k, quantization dtype name, block shape). No call means the experts run on
+       another backend (DeepGEMM, CUTLASS, FlashInfer, Marlin): the family stops there.
+    2. Classes: the same function, called for every eager M, splits the range into regions of
+       one config (and one side of M < BLOCK_SIZE_M and of M * top_k < E). Inside a region EM
+       and num_valid_tokens move with slope top_k, so their integer classes repeat every
+       ``16 / gcd(top_k, 16)`` tokens: the first that many M of a region reach every key
+       production can reach in it.
+    3. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
+       forward over dummy tokens, so the kernel gets production's arguments exactly (and any
+       other kernel that specializes on the eager token count comes along).
+
+    Eager M: 1..max_num_batched_tokens when mixed batches run without CUDA graphs
+    (``enforce_eager``, ``cudagraph_mode`` NONE or FULL_DECODE_ONLY); else from the largest
+    capture size + 1. Safety: ``_dummy_run`` in NONE mode is what vLLM runs itself for its
+    compile sizes and the profile run: no attention metadata, so nothing reads or writes KV
+    blocks. Every rank computes the same M list from rank-independent inputs (config, shapes),
+    so the collectives inside the forward line up under tensor parallelism.
+
+    The V2 model runner (0.29+ default) is not warmed: its ``_dummy_run`` has another contract
+    and its own ``warmup_kernels`` runs real steps; not verified on a GPU.
+
+Upstream: none (0.20-0.33).
+
+Remove when:
+    vLLM warms its fused-MoE kernel for eager token counts (or stops specializing on them).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import math
+import sys
+
+from kwarm_ext.families import Step
+from kwarm_ext.vllm_compat import Missing, bind, resolve
+
+logger = logging.getLogger("kwarm")
+
+NAME = "fused_moe"
+KERNEL = "fused_moe_kernel"
+_CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe_config"
+_MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
+
+# What a MoE layer registers in the forward context: the FusedMoE module (0.20-0.23), its
+# MoERunner (0.24+, where FusedMoE became a factory).
+MOE_LAYER_CLASSES = ("FusedMoE", "MoERunnerInterface")
+
+_details: dict = {}
+
+
+# ---------------------------------------------------------------------------- applicability
+
+def applies(view) -> str | None:
+    if view.runner is None:
+        return "no model runner"
+    if not view.layers_of(*MOE_LAYER_CLASSES):
+        return "no fused-MoE layers"
+    if view.runner_kind == "V2":
+        return "V2 model runner: not warmed (its warmup_kernels runs real steps)"
+    if not callable(getattr(view.runner, "_dummy_run", None)):
+        return "runner has no _dummy_run"
+    return None
+
+
+def plan(view, forced) -> list:
+    _details.clear()
+    try:
+        config_fn = resolve(_CONFIG_FN)
+        dummy_run = dummy_runner(view.runner)
+    except Missing as exc:
+        return [Step("eager_sizes", KERNEL, skip=str(exc))]
+    first, last = eager_range(view)
+    if first > last:
+        return [Step("eager_sizes", KERNEL, skip=f"no eager token counts ({first}..{last})")]
+    return [Step("eager_sizes", KERNEL, run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last))]
+
+
+def details() -> dict:
+    return dict(_details)
+
+
+# ---------------------------------------------------------------------------- eager range
+
+def eager_range(view) -> tuple:
+    """(first, last) token count a step runs without a CUDA graph, from the runner's config."""
+    runner = view.runner
+    limits = [x for x in (view.max_num_batched_tokens, getattr(runner, "max_num_tokens", None))
+              if isinstance(x, int)]
+    last = min(limits, default=0)
+    compilation = getattr(runner, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if view.enforce_eager or mode is None:
+        return 1, last
+    mixed = mode.mixed_mode() if callable(getattr(mode, "mixed_mode", None)) else mode
+    if getattr(mixed, "name", "NONE") == "NONE":
+        return 1, last
+    top = getattr(compilation, "max_cudagraph_capture_size", None)
+    if not isinstance(top, int):
+        top = max(getattr(compilation, "cudagraph_capture_sizes", None) or [0])
+    return int(top) + 1, last
+
+
+def dummy_runner(runner):
+    """``lambda M: runner._dummy_run(M, cudagraph_runtime_mode=NONE, skip_eplb=True)``, bound
+    to this release's signature first."""
+    mode = resolve("vllm.config:CUDAGraphMode", "vllm.config.compilation:CUDAGraphMode").NONE
+    kwargs = {"cudagraph_runtime_mode": mode}
+    if "skip_eplb" in inspect.signature(runner._dummy_run).parameters:
+        kwargs["skip_eplb"] = True
+    bind(runner._dummy_run, 1, **kwargs)
+
+    def run(num_tokens: int):
+        return runner._dummy_run(num_tokens, **kwargs)
+
+    return run
+
+
+# ---------------------------------------------------------------------------- the config calls
+
+@dataclasses.dataclass(frozen=True)
+class ConfigCall:
+    """One way production asks for a config: the arguments of ``try_get_optimal_moe_config``
+    with M left out."""
+
+    args: tuple
+    kwargs: tuple  # sorted (name, value) pairs
+    m_name: str
+    top_k: int | None
+    num_experts: int | None
+
+    def config(self, fn, m: int) -> dict:
+        kwargs = dict(self.kwargs)
+        kwargs[self.m_name] = m
+        return fn(*self.args, **kwargs)
+
+
+def config_call(fn, args, kwargs) -> ConfigCall:
+    """The :class:`ConfigCall` of one observed call (its arguments bound by name)."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    named = dict(bound.arguments)
+    if "M" not in named:
+        raise Missing(f"{fn.__qualname__}{inspect.signature(fn)} has no parameter M")
+    named.pop("M")
+    top_k = named.get("top_k")
+    w2_shape = named.get("w2_shape")
+    num_experts = int(w2_shape[0]) if w2_shape is not None and len(w2_shape) == 3 else None
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in named.items()))
+    return ConfigCall((), frozen, "M", int(top_k) if isinstance(top_k, int) else None, num_experts)
+
+
+def _freeze(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if type(value).__name__ == "Size":  # torch.Size: a tuple of ints
+        return tuple(int(v) for v in value)
+    return value
+
+
+@contextlib.contextmanager
+def observed_config_calls(fn):
+    """Record every call of `fn` (vLLM's ``try_get_optimal_moe_config``) made in the block.
+
+    Why this patch exists: the fused-MoE experts (``experts/triton_moe.py`` from 0.24,
+    ``fused_moe.py`` in 0.20-0.23) import the function by name and pass it arguments built
+    deep inside the modular kernel (weight views, the quant config's dtype name, block
+    shape), which no public API exposes. Every module of ``vllm.model_executor.layers.
+    fused_moe`` that holds `fn` gets a recording stand-in for the duration of the block,
+    calling through to `fn`, and gets `fn` back in a ``finally``. Needed on every vLLM that
+    has this function (0.20-0.33); it can go with this family.
+    """
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return fn(*args, **kwargs)
+
+    holders = [mod for name, mod in list(sys.modules.items())
+               if name.startswith(_MOE_PACKAGE) and getattr(mod, "try_get_optimal_moe_config", None) is fn]
+    for mod in holders:
+        mod.try_get_optimal_moe_config = recording
+    try:
+        yield calls
+    finally:
+        for mod in holders:
+            mod.try_get_optimal_moe_config = fn
+
+
+# ---------------------------------------------------------------------------- classes
+
+def period(top_k: int | None) -> int:
+    """How many consecutive M cover every integer class of M * top_k (and of EM)."""
+    return 16 // math.gcd(top_k, 16) if top_k else 16
+
+
+def region_key(fn, calls, m: int) -> tuple:
+    """What decides the kernel's key at token count `m`, for every observed call shape."""
+    key = []
+    for call in calls:
+        cfg = call.config(fn, m)
+        block_m = cfg.get("BLOCK_SIZE_M", 0)
+        small = m < block_m
+        key.append((tuple(sorted(cfg.items())), small,
+                    small and call.top_k is not None and call.num_experts is not None
+                    and m * call.top_k < call.num_experts))
+    return tuple(key)
+
+
+def regions(fn, calls, first: int, last: int) -> list:
+    """[[lo, hi, key]] for maximal runs of token counts with one :func:`region_key`."""
+    out: list = []
+    for m in range(first, last + 1):
+        key = region_key(fn, calls, m)
+        if out and out[-1][2] == key:
+            out[-1][1] = m
+        else:
+            out.append([m, m, key])
+    return out
+
+
+def representatives(spans, step: int) -> list:
+    """The first `step` token counts of every region."""
+    return [m for lo, hi, _ in spans for m in range(lo, min(hi, lo + step - 1) + 1)]
+
+
+# ---------------------------------------------------------------------------- warm
+
+def warm_eager_sizes(config_fn, dummy_run, first: int, last: int) -> list:
+    import torch
+
+    with torch.inference_mode():
+        with observed_config_calls(config_fn) as seen:
+            dummy_run(first)
+        if not seen:
+            _details["summary"] = (f"probe M={first}: no Triton fused-MoE config requested "
+                                   "(the experts run on another backend)")
+            return [f"probe M={first}"]
+        calls = sorted({config_call(config_fn, a, k) for a, k in seen}, key=repr)
+        step = max(period(c.top_k) for c in calls)
+        spans = regions(config_fn, calls, first, last)
+        sizes = representatives(spans, step)
+        for m in sizes:
+            if m != first:
+                dummy_run(m)
+    _details.update(
+        summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
+                 f"(M {first}..{last}, every {step} per region)"),
+        regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans],
+        token_counts=sizes, config_calls=len(calls))
+    return [f"M={lo}..{hi}: {', '.join(str(m) for m in sizes if lo <= m <= hi)}" for lo, hi, _ in spans]

@@ -1,0 +1,199 @@
+"""The ``fused_moe`` family against each release's real ``try_get_optimal_moe_config``,
+``CUDAGraphMode`` and ``GPUModelRunner._dummy_run`` signature, through kwarm's whole warmup.
+
+What cannot exist on CPU is stood in for, and only that:
+
+- the model runner: ``GPUModelRunner`` needs a GPU. The stand-in carries the attributes the
+  family reads, and its ``_dummy_run`` has the release's real signature; in place of a model
+  forward it does what vLLM's Triton experts do at that point, ask the real
+  ``try_get_optimal_moe_config`` for the step's config through the module attribute
+  production calls it by (``experts/triton_moe.py``, or ``fused_moe.py`` before 0.22);
+- the MoE layer: a real ``MoERunner`` (0.24+; ``FusedMoE`` before) made without
+  ``__init__`` (which needs a distributed setup); only its class is read;
+- the device name that picks vLLM's tuned config file comes from the driver: it is set to
+  "NVIDIA H200" (the GPU host's), so the real tuned tables shipped with vLLM are used.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+
+import pytest
+
+from conftest import MATRIX, cpu_triton_env, result_of, run_py
+
+NEUTRAL_CWD = tempfile.gettempdir()
+
+SCENARIO = r'''
+import inspect, json, logging, sys
+from types import SimpleNamespace
+
+import vllm.platforms
+from vllm.config import CUDAGraphMode
+from vllm.model_executor.layers.fused_moe import fused_moe as fm
+try:  # what registers in the forward context: MoERunner (0.24+), else the FusedMoE module
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner as MoELayer
+except ImportError:
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE as MoELayer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+vllm.platforms.current_platform.get_device_name = lambda device_id=0: "NVIDIA H200"
+try:
+    import vllm.model_executor.layers.fused_moe.experts.triton_moe as production
+except ImportError:
+    production = fm
+REAL = fm.try_get_optimal_moe_config
+
+import kwarm_ext.warmup as warmup
+from kwarm_ext import config
+from kwarm_ext.kernels import fused_moe as family
+
+CASES = json.loads(__ARGS__)
+
+
+class Runner:
+    def __init__(self, case):
+        self.case = case
+        self.calls = []
+        self.compilation_config = SimpleNamespace(
+            cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
+            max_cudagraph_capture_size=case["capture"],
+            static_forward_context={"model.layers.1.mlp.experts": MoELayer.__new__(MoELayer)})
+        self.max_num_tokens = case["max_tokens"]
+
+    def _dummy_run(self, num_tokens, *args, **kwargs):
+        self.calls.append({"M": num_tokens, "mode": getattr(kwargs.get("cudagraph_runtime_mode"), "name", None),
+                           "skip_eplb": kwargs.get("skip_eplb")})
+        if num_tokens == self.case.get("fail_at"):
+            raise RuntimeError("dummy run failed")
+        if self.case.get("experts", "triton") == "triton":
+            production.try_get_optimal_moe_config(
+                tuple(self.case["w1"]), tuple(self.case["w2"]), self.case["top_k"], None, num_tokens,
+                block_shape=None)
+
+
+Runner._dummy_run.__signature__ = inspect.signature(GPUModelRunner._dummy_run)
+
+
+def run_case(case):
+    runner = Runner(case)
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v32"),
+                                     enforce_eager=case.get("enforce_eager", False)),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=case["max_tokens"]),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=runner.compilation_config)
+    worker = SimpleNamespace(model_runner=runner, vllm_config=vllm_config)
+    config.reset()
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("kwarm").addHandler(handler)
+    report = warmup.run(worker)
+    logging.getLogger("kwarm").removeHandler(handler)
+    fam = next(f for f in report["families"] if f["name"] == "fused_moe")
+    return {"family": fam, "calls": runner.calls, "logs": logs,
+            "restored": all(getattr(m, "try_get_optimal_moe_config", REAL) is REAL
+                            for n, m in list(sys.modules.items()) if n.startswith("vllm.model_executor.layers.fused_moe")),
+            "eager_range": list(family.eager_range(SimpleNamespace(
+                runner=runner, max_num_batched_tokens=case["max_tokens"],
+                enforce_eager=case.get("enforce_eager", False)))),
+            "table": {str(m): REAL(tuple(case["w1"]), tuple(case["w2"]), case["top_k"], None, m, None)
+                      for m in case.get("table_at", [])}}
+
+
+print("RESULT " + json.dumps({name: run_case(case) for name, case in CASES.items()}))
+'''
+
+# tiny DeepSeek-V3.2 (bench/models): 8 experts, top-2, hidden 1024, moe_intermediate 256:
+# no tuned table, vLLM's get_default_config; CUDA graphs up to 32 tokens (max_num_seqs 16).
+TINY = {"w1": [8, 512, 1024], "w2": [8, 1024, 256], "top_k": 2, "mode": "FULL_AND_PIECEWISE",
+        "capture": 32, "max_tokens": 8192}
+# A shape with a tuned H200 table in vLLM (E=128, N=192), top-8, graphs up to 512 tokens.
+TUNED = {"w1": [128, 384, 2048], "w2": [128, 2048, 192], "top_k": 8, "mode": "FULL_AND_PIECEWISE",
+         "capture": 512, "max_tokens": 4096, "table_at": list(range(513, 4097))}
+CASES = {
+    "tiny": TINY,
+    "tuned": TUNED,
+    "decode_only": dict(TINY, mode="FULL_DECODE_ONLY", max_tokens=256),
+    "eager": dict(TINY, enforce_eager=True, max_tokens=256),
+    "other_backend": dict(TINY, experts="cutlass"),
+    "failing": dict(TINY, fail_at=33),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(release: str) -> dict:
+    proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(CASES))), release=release,
+                  env=cpu_triton_env(KWARM_WARMUPS="fused_moe"), timeout=240, cwd=NEUTRAL_CWD)
+    return result_of(proc)
+
+
+@pytest.fixture(scope="module", params=MATRIX)
+def release(request):
+    return request.param
+
+
+def _ms(result):
+    return [c["M"] for c in result["calls"]]
+
+
+def test_tiny_default_config_regions(release):
+    """vLLM's default-config thresholds (32/64/96/128/512 tokens, and GROUP_SIZE_M 16 once
+    M // E > 128) split the eager range 33..8192; top-2 gives a period of 8 tokens."""
+    result = _batch(release)["tiny"]
+    fam = result["family"]
+    assert fam["status"] == "ran", fam
+    regions = [r["M"] for r in fam["details"]["regions"]]
+    assert regions[0][0] == 33 and regions[-1][1] == 8192
+    assert all(a[1] + 1 == b[0] for a, b in zip(regions, regions[1:])), "regions tile the range"
+    bounds = {hi for _, hi in regions[:-1]}
+    assert {64, 128, 512} <= bounds
+    assert 1031 in bounds, "GROUP_SIZE_M turns 16 at M // 8 > 128"
+    expected = [m for lo, hi in regions for m in range(lo, min(hi, lo + 7) + 1)]
+    assert _ms(result) == expected, "one probe at 33, then the first 8 token counts of each region"
+    assert all(c["mode"] == "NONE" and c["skip_eplb"] is True for c in result["calls"])
+    assert fam["steps"][0]["status"] == "ran" and len(fam["steps"][0]["variants"]) == len(regions)
+    assert result["restored"], "the recording stand-in is gone after the step"
+
+
+def test_tuned_table_regions(release):
+    """With a tuned table the config is its nearest entry: each region holds one entry's config,
+    neighbours differ, and top-8 needs 2 token counts per region."""
+    result = _batch(release)["tuned"]
+    fam = result["family"]
+    table = {int(m): cfg for m, cfg in result["table"].items()}
+    regions = fam["details"]["regions"]
+    assert regions[0]["M"][0] == 513 and regions[-1]["M"][1] == 4096
+    for region in regions:
+        lo, hi = region["M"]
+        assert all(table[m] == region["config"] for m in range(lo, hi + 1))
+    for a, b in zip(regions, regions[1:]):
+        assert a["config"] != b["config"]
+    assert len(regions) >= 3
+    assert _ms(result) == [m for r in regions for m in range(r["M"][0], min(r["M"][1], r["M"][0] + 1) + 1)]
+
+
+def test_eager_range_follows_cudagraph_mode(release):
+    cases = _batch(release)
+    assert cases["tiny"]["eager_range"] == [33, 8192]
+    assert cases["decode_only"]["eager_range"] == [1, 256], "mixed batches run eagerly at every size"
+    assert cases["eager"]["eager_range"] == [1, 256]
+    assert _ms(cases["eager"])[0] == 1
+
+
+def test_other_backend_probes_once_and_says_so(release):
+    result = _batch(release)["other_backend"]
+    assert _ms(result) == [33]
+    assert "another backend" in result["family"]["details"]["summary"]
+    assert result["restored"]
+
+
+def test_failing_dummy_run_is_one_warning(release):
+    result = _batch(release)["failing"]
+    step = result["family"]["steps"][0]
+    assert step["status"] == "failed" and "dummy run failed" in step["reason"]
+    warnings = [m for m in result["logs"] if "fused_moe.eager_sizes failed" in m]
+    assert len(warnings) == 1, result["logs"]
+    assert result["restored"], "restored even when the probe's forward raises"
