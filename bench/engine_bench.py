@@ -24,15 +24,24 @@ Caches (``--triton-cache``):
 The result says ``cold`` when the Triton cache and VLLM_CACHE_ROOT were empty at start,
 else ``warm``.
 
+``--profile 0,5`` runs those requests under cProfile (top functions in the result, raw
+stats in ``<out stem>.req<i>.prof``). ``--sync-lock FILE`` makes engines that share one GPU
+take turns: a shared flock on FILE during init, an exclusive one while measuring.
+
 Only argument parsing and the scenario live at module level: vLLM, torch and Triton are
 imported inside :func:`main`, after the environment is set.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import dataclasses
+import fcntl
+import functools
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -119,6 +128,19 @@ def parse_bytes(text: str | None) -> int | None:
     return int(text)
 
 
+def parse_indices(text: str | None) -> list[int]:
+    """'0,3' -> [0, 3] (sorted, no duplicates); '' or None -> []."""
+    if text is None or not text.strip():
+        return []
+    try:
+        found = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected request indices like 0,3, got {text!r}") from None
+    if any(i < 0 for i in found):
+        raise argparse.ArgumentTypeError(f"request indices are >= 0, got {text!r}")
+    return sorted(found)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model config folder (or a name under bench/models/)")
@@ -140,6 +162,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-bytes", default=None,
                    help="e.g. 4G: fixed KV cache size, skips vLLM's memory accounting (needed when "
                         "several engines start on one GPU at once)")
+    p.add_argument("--profile", type=parse_indices, default=[], metavar="I,J,...",
+                   help="run these requests (indices) under cProfile: top functions in the result, "
+                        "raw stats in <out stem>.req<i>.prof; their wall time includes the profiler's overhead")
+    p.add_argument("--sync-lock", default=None, metavar="FILE",
+                   help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
+                        "requests, so that engines sharing a GPU never measure while another one "
+                        "initializes or measures")
     return p.parse_args(argv)
 
 
@@ -401,6 +430,143 @@ def default_out(model: str, vllm_version: str, kwarm: str, label: str) -> Path:
     return HERE / "results" / f"{model}-vllm{vllm_version}-kwarm{kwarm}-{label}.json"
 
 
+# ------------------------------------------------------------------------ profiling
+
+PROFILE_ROWS = 30  # rows per ordering stored in the result
+PROFILE_PRINTED = 15  # cumtime rows printed after the request line
+PROFILE_KEYS = {"tottime": 2, "cumtime": 3}  # index in a pstats entry (cc, nc, tt, ct, callers)
+REPO_PREFIX = str(HERE.parent).replace(os.sep, "/") + "/"
+
+
+@functools.lru_cache(maxsize=None)
+def _package_root(directory: str) -> str | None:
+    """The outermost folder of the package holding `directory` (the last one, going up,
+    with an ``__init__.py``), or None when `directory` is not in a package."""
+    root = None
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        root = directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            break
+        directory = parent
+    return root
+
+
+def short_path(path: str) -> str:
+    """A source path from the package folder on: the part after site-/dist-packages, else
+    relative to this repository, else relative to the folder above the outermost package,
+    else its last 4 components.
+    Pseudo-paths (``<frozen ...>``, ``<string>``) stay as they are."""
+    norm = path.replace(os.sep, "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in norm:
+            return norm.rsplit(marker, 1)[1]
+    if norm.startswith(REPO_PREFIX):  # this tree: bench/engine_bench.py
+        return norm[len(REPO_PREFIX):]
+    if os.path.isabs(path):
+        root = _package_root(os.path.dirname(path))
+        if root is not None:
+            return os.path.relpath(path, os.path.dirname(root)).replace(os.sep, "/")
+    return "/".join([part for part in norm.split("/") if part][-4:])
+
+
+def profile_func(func: tuple[str, int, str]) -> str:
+    """pstats' (file, line, name) as ``vllm/v1/worker/gpu_model_runner.py:123(_prepare_inputs)``;
+    built-ins (file ``~``) as their name, e.g. ``<built-in method time.sleep>``."""
+    file, line, name = func
+    if file == "~" and line == 0:
+        return name
+    return f"{short_path(file)}:{line}({name})"
+
+
+def profile_rows(stats: dict, key: str, n: int) -> list[dict]:
+    """The `n` functions of ``pstats.Stats(...).stats`` with the largest `key` (``tottime`` or
+    ``cumtime``): ``[{func, ncalls (primitive calls), tottime, cumtime}]``, seconds rounded to 4."""
+    idx = PROFILE_KEYS[key]
+    order = sorted(stats.items(), key=lambda item: (-item[1][idx], profile_func(item[0])))
+    return [{"func": profile_func(func), "ncalls": int(cc), "tottime": round(tt, 4), "cumtime": round(ct, 4)}
+            for func, (cc, _nc, tt, ct, _callers) in order[:n]]
+
+
+def profile_summary(stats: dict, n: int = PROFILE_ROWS) -> dict:
+    """The ``profile`` entry of a request: total profiled seconds (sum of tottime) and the top
+    `n` rows by tottime and by cumtime."""
+    return {"total_s": round(sum(entry[2] for entry in stats.values()), 4),
+            "top_tottime": profile_rows(stats, "tottime", n),
+            "top_cumtime": profile_rows(stats, "cumtime", n)}
+
+
+def format_profile(rows: list[dict], n: int = PROFILE_PRINTED) -> str:
+    """The first `n` rows as text, pstats-like: ncalls, tottime, cumtime, function."""
+    lines = [f"  {'ncalls':>9} {'tottime':>9} {'cumtime':>9}  function"]
+    lines += [f"  {r['ncalls']:>9} {r['tottime']:>9.4f} {r['cumtime']:>9.4f}  {r['func']}" for r in rows[:n]]
+    return "\n".join(lines)
+
+
+def profile_path(out: Path, i: int) -> Path:
+    """Raw stats of request `i`, next to the result: ``<out stem>.req<i>.prof``."""
+    return out.with_name(f"{out.stem}.req{i}.prof")
+
+
+@contextlib.contextmanager
+def profiling(profiler: cProfile.Profile | None):
+    """`profiler` enabled for the block (nothing when None)."""
+    if profiler is None:
+        yield
+        return
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+
+
+def save_profile(profiler: cProfile.Profile, prof_file: Path) -> dict:
+    """Dump the raw stats to `prof_file`; return the request's ``profile`` entry."""
+    stats = pstats.Stats(profiler)
+    stats.dump_stats(str(prof_file))
+    return dict(profile_summary(stats.stats), file=str(prof_file))
+
+
+# ------------------------------------------------------------ engines sharing a GPU
+
+class EngineLock:
+    """``flock(2)`` on a file that engines sharing one GPU agree on (``--sync-lock``).
+
+    An engine holds it shared while it initializes (several may initialize together) and
+    exclusive while it measures its requests, so that no engine measures while another
+    one initializes or measures. Each context manager yields the seconds it waited. A
+    process that dies releases its lock (flock semantics). ``EngineLock(None)`` never
+    waits: both yield 0.0.
+    """
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def shared(self):
+        return self._hold(fcntl.LOCK_SH)
+
+    def exclusive(self):
+        return self._hold(fcntl.LOCK_EX)
+
+    @contextlib.contextmanager
+    def _hold(self, mode: int):
+        if not self.path:
+            yield 0.0
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            t = time.perf_counter()
+            fcntl.flock(fd, mode)
+            waited = time.perf_counter() - t
+            try:
+                yield waited
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
@@ -408,7 +574,12 @@ def main(argv=None) -> int:
     model_path = resolve_model(args.model)
     cfg = json.loads((model_path / "config.json").read_text())
     scenario = build_scenario(args.scenario)
+    bad = [i for i in args.profile if i >= len(scenario)]
+    if bad:
+        raise SystemExit(f"engine_bench: --profile {bad}: scenario {args.scenario!r} has "
+                         f"{len(scenario)} requests (0..{len(scenario) - 1})")
     kwargs = engine_kwargs(args, model_path, cfg)
+    lock = EngineLock(args.sync_lock)
 
     started = time.time()
     cache = prepare_env(args)
@@ -425,8 +596,9 @@ def main(argv=None) -> int:
     for name in OPTIONAL_ENGINE_ARGS:
         if name in kwargs and name not in fields:
             kwargs.pop(name)
-    llm = LLM(**kwargs)
-    init_s = time.perf_counter() - t0
+    with lock.shared() as init_wait_s:  # other engines may initialize too, none measures
+        llm = LLM(**kwargs)
+    init_s = time.perf_counter() - t0 - init_wait_s
     init_counter.enabled = False
 
     import torch
@@ -467,6 +639,8 @@ def main(argv=None) -> int:
         "kwarm_report_summary": table.summarize_report(report),
         "kwarm_report": report,
         "requests": requests,
+        "sync": {"lock": args.sync_lock, "init_wait_s": round(init_wait_s, 3), "requests_wait_s": None}
+        if args.sync_lock else None,
         "complete": False,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
     }
@@ -490,22 +664,36 @@ def main(argv=None) -> int:
           f"kwarm warmup {result['kwarm_warmup_s']} s", flush=True)
 
     counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
-    for i, req in enumerate(scenario):
-        dg_dir = deepgemm_dir(cache["vllm_cache_root"])
-        dg0 = deepgemm_entries(dg_dir)
-        n0 = len(counter.events)
-        t = time.perf_counter()
-        extra = run_request(llm, req, i)
-        s = time.perf_counter() - t
-        events = counter.events[n0:]
-        requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
-                         "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
-                         "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
-                         "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                         "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), **extra})
-        print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
-              f"{sorted({e['name'] for e in events})}", flush=True)
-        write()
+    with lock.exclusive() as requests_wait_s:  # no other engine initializes or measures meanwhile
+        if result["sync"]:
+            result["sync"]["requests_wait_s"] = round(requests_wait_s, 3)
+            print(f"engine_bench: waited {init_wait_s:.1f} s (init) + {requests_wait_s:.1f} s (requests) "
+                  f"for {args.sync_lock}", flush=True)
+        for i, req in enumerate(scenario):
+            dg_dir = deepgemm_dir(cache["vllm_cache_root"])
+            dg0 = deepgemm_entries(dg_dir)
+            n0 = len(counter.events)
+            profiler = cProfile.Profile() if i in args.profile else None
+            t = time.perf_counter()
+            with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
+                extra = run_request(llm, req, i)
+            s = time.perf_counter() - t
+            profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
+            events = counter.events[n0:]
+            requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
+                             "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
+                             "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
+                             "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
+                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), **extra})
+            if profile is not None:
+                requests[-1].update(profiled=True, profile=profile)
+            print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
+                  f"{sorted({e['name'] for e in events})}", flush=True)
+            if profile is not None:
+                print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
+                      f"top {PROFILE_PRINTED} by cumtime:\n"
+                      f"{format_profile(profile['top_cumtime'])}", flush=True)
+            write()
     result["complete"] = True
     write()
     print(f"engine_bench: wrote {out}")

@@ -9,9 +9,12 @@
 #    kwarm_ext.activate("bench") cover it);
 # 2. runs one pipeline per (model, kwarm mode), all in parallel on the one GPU: a cold
 #    run (its own empty TRITON_CACHE_DIR, VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR),
-#    then a warm run that starts again on the same caches;
+#    then a warm run that starts again on the same caches; with SYNC=1 the engines take
+#    turns on a lock (engine_bench.py --sync-lock): they may initialize together, but
+#    each one measures its requests alone;
 # 3. writes everything to $OUT (results *.json, kwarm reports *.kwarm-report.json, one
-#    log per run *.log, status.txt, install.log, table.md) and prints the table.
+#    log per run *.log, manifests *.manifest.json, profiles *.req<i>.prof, status.txt,
+#    install.log, table.md), packs it into bench-results.tgz and prints the table.
 #
 # Environment (defaults):
 #   VER=0.24.0            staged vLLM release: source /tmp/kwarm-gpu/vllm-$VER/env.sh
@@ -20,6 +23,14 @@
 #   WARM=1                0: cold runs only
 #   LEARN=1               kwarm-on cold runs learn a manifest; a third run replays it
 #                         on empty caches (0: no learning, no replay run)
+#   REPLAY_FROM=""        a folder of manifests learned earlier, <model>-vllm$VER.manifest.json
+#                         (relative to the current folder or to the repository root): a
+#                         kwarm-on pipeline whose model has one there does not learn; it is
+#                         copied into $OUT and the replay run replays that copy (its cold run
+#                         skips the replay family, like the warm run). Other models: as LEARN
+#   REPLAY_ONLY=0         1 (with REPLAY_FROM): kwarm-on pipelines that have such a manifest
+#                         run the replay run only (no cold run, hence no warm run); kwarm-off
+#                         pipelines run as usual
 #   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores
 #   SCENARIO=default      default | smoke
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
@@ -27,13 +38,22 @@
 #   GPU_UTIL=0.2          --gpu-memory-utilization of each engine
 #   KV_BYTES=4G           fixed KV cache per engine: skips vLLM's memory profiling, which
 #                         assumes no other process allocates on the GPU meanwhile
+#   SYNC=1                every run gets --sync-lock $WORK/engines.lock: engines initialize
+#                         side by side, but measure their requests one at a time, never while
+#                         another engine initializes (0: no lock, everything overlaps)
+#   PROFILE=""            e.g. "0,1": every run gets --profile $PROFILE (those requests under
+#                         cProfile: top functions in the result JSON, raw *.req<i>.prof files;
+#                         their wall time includes the profiler's overhead)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
 #   OUT                   set by the device tool; else bench/results
 #   WORK=/tmp/kwarm-bench caches (not returned)
 #   PY=python3
 set -uo pipefail
 shopt -s nullglob
-cd "$(dirname "$0")/.."
+REPLAY_FROM=${REPLAY_FROM:-}
+# REPLAY_FROM relative to the caller's folder, before the cd (else to the repository root)
+if [ -n "$REPLAY_FROM" ] && [ -d "$REPLAY_FROM" ]; then REPLAY_FROM=$(cd "$REPLAY_FROM" && pwd); fi
+cd "$(dirname "$0")/.." || exit 1
 
 VER=${VER:-0.24.0}
 MODELS=${MODELS:-"tiny-qwen3-next tiny-deepseek-v32"}
@@ -46,6 +66,9 @@ BUDGET=${BUDGET:-570}
 COLD_TIMEOUT=${COLD_TIMEOUT:-360}
 GPU_UTIL=${GPU_UTIL:-0.2}
 KV_BYTES=${KV_BYTES:-4G}
+REPLAY_ONLY=${REPLAY_ONLY:-0}
+SYNC=${SYNC:-1}
+PROFILE=${PROFILE:-}
 BENCH_ARGS=${BENCH_ARGS:-}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
 # packed into $OUT/bench-results.tgz at the end (table.md is also copied beside it).
@@ -55,6 +78,18 @@ OUT=$WORK/out
 PY=${PY:-python3}
 DEADLINE=$(( $(date +%s) + BUDGET ))
 
+if [ -n "$REPLAY_FROM" ]; then
+  if [ ! -d "$REPLAY_FROM" ]; then echo "REPLAY_FROM=$REPLAY_FROM: no such folder"; exit 1; fi
+  REPLAY_FROM=$(cd "$REPLAY_FROM" && pwd -P)
+  mkdir -p "$OUT"
+  case "$REPLAY_FROM/" in
+    "$(cd "$OUT" && pwd -P)"/*)  # a previous call's $OUT, emptied below: keep its manifests
+      rm -rf "$WORK/replay-from" && mkdir -p "$WORK/replay-from"
+      cp -f "$REPLAY_FROM"/*.manifest.json "$WORK/replay-from/" 2>/dev/null
+      echo "REPLAY_FROM: the manifests of $REPLAY_FROM (emptied below) copied to $WORK/replay-from"
+      REPLAY_FROM=$(cd "$WORK/replay-from" && pwd -P) ;;
+  esac
+fi
 rm -rf "$OUT"
 mkdir -p "$OUT" "$WORK" "$FINAL_OUT"
 FINAL_OUT=$(cd "$FINAL_OUT" && pwd)
@@ -114,10 +149,12 @@ run_one() {
     echo "$tag: skipped (${left}s left)" | tee -a "$OUT/status.txt"; return 99
   fi
   mkdir -p "$cache"
-  local t0 rc
+  local t0 rc extra=()
+  [ "$SYNC" = 1 ] && extra+=(--sync-lock "$WORK/engines.lock")
+  [ -n "$PROFILE" ] && extra+=(--profile "$PROFILE")
   t0=$(date +%s)
   env "VLLM_CACHE_ROOT=$cache/vllm" "TORCHINDUCTOR_CACHE_DIR=$cache/inductor" "${envs[@]}" \
-    timeout -k 15 "$limit" "$PY" bench/engine_bench.py "$@" --triton-cache "$cache/triton" \
+    timeout -k 15 "$limit" "$PY" bench/engine_bench.py "$@" "${extra[@]}" --triton-cache "$cache/triton" \
     --out "$OUT/$tag.json" >"$OUT/$tag.log" 2>&1
   rc=$?
   echo "$tag: rc=$rc in $(( $(date +%s) - t0 )) s$( [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo " (timeout ${limit}s)")" \
@@ -130,23 +167,40 @@ run_one() {
 # kwarm on:  cold (families; with LEARN=1 it also learns this deployment's manifest), with LEARN=1
 #            new empty caches replaying it (families + replay), then a warm run on the
 #            cold run's caches (families only: KWARM_WARMUPS=-replay).
+#            With a manifest from REPLAY_FROM: no learning, the cold run without the replay
+#            family, the replay run replays the given manifest (REPLAY_ONLY=1: that run only).
 pipeline() {
   local model=$1 mode=$2
   local tag=$model-vllm$VER-kwarm$mode cache=$WORK/$model-vllm$VER-kwarm$mode
-  local manifest=$OUT/$model-vllm$VER.manifest.json
+  local manifest=$OUT/$model-vllm$VER.manifest.json given=0
   rm -rf "$cache" "$cache-replay"
-  # shellcheck disable=SC2046,SC2086
+  # shellcheck disable=SC2206,SC2207  # word splitting intended
   local args=("bench/models/$model" --kwarm "$mode" --scenario "$SCENARIO"
               --gpu-memory-utilization "$GPU_UTIL" --kv-cache-memory-bytes "$KV_BYTES"
               $(model_args "$model") $BENCH_ARGS)
   local on=() learn=()
   if [ "$mode" = on ]; then
+    if [ -n "$REPLAY_FROM" ] && [ -f "$REPLAY_FROM/${manifest##*/}" ]; then
+      # the copy in $OUT travels with the results; the runs read the copy
+      cp -f "$REPLAY_FROM/${manifest##*/}" "$manifest" && given=1
+      echo "$tag: manifest from $REPLAY_FROM/${manifest##*/}$( [ "$REPLAY_ONLY" = 1 ] && echo ", replay run only")" \
+        | tee -a "$OUT/status.txt"
+    fi
     on=("KWARM_REPORT=$OUT/$tag-cold.kwarm-report.json" "KWARM_MANIFEST=$manifest")
-    [ "$LEARN" = 1 ] && learn=("KWARM_LEARN=1" "KWARM_LEARN_INTERVAL=15")
+    if [ "$given" = 1 ]; then
+      on+=("KWARM_WARMUPS=-replay")  # a cold run on families only; the replay run replays
+    elif [ "$LEARN" = 1 ]; then
+      learn=("KWARM_LEARN=1" "KWARM_LEARN_INTERVAL=15")
+    fi
+  fi
+  if [ "$given" = 1 ] && [ "$REPLAY_ONLY" = 1 ]; then
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
+      "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
+    return
   fi
   run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
-  if [ "$mode" = on ] && [ "$LEARN" = 1 ] && [ -f "$manifest" ]; then
+  if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" = 1 ]; } && [ -f "$manifest" ]; then
     run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
@@ -157,7 +211,8 @@ pipeline() {
   fi
 }
 
-echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, budget ${BUDGET}s"
+echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, sync=$SYNC," \
+  "profile=[${PROFILE}], replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
 for model in $MODELS; do
   for mode in $MODES; do
     pipeline "$model" "$mode" &

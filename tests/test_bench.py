@@ -5,9 +5,15 @@ scenario construction and environment set-up. No GPU, no engine."""
 from __future__ import annotations
 
 import copy
+import cProfile
+import fcntl
 import json
+import os
+import pstats
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,7 +166,8 @@ def test_help():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for flag in ("--kwarm", "--scenario", "--triton-cache", "--cudagraph", "--gdn-prefill-backend",
-                 "--attention-backend", "--enforce-eager", "--max-num-seqs", "--out"):
+                 "--attention-backend", "--enforce-eager", "--max-num-seqs", "--out", "--profile",
+                 "--sync-lock"):
         assert flag in out.stdout
 
 
@@ -204,6 +211,18 @@ def test_parse_bytes():
     assert engine_bench.parse_bytes("1.5g") == int(1.5 * 2**30)
     assert engine_bench.parse_bytes("1000") == 1000
     assert engine_bench.parse_bytes(None) is None
+
+
+def test_parse_indices():
+    assert engine_bench.parse_indices("3,0, 3") == [0, 3]
+    assert engine_bench.parse_indices("") == [] and engine_bench.parse_indices(None) == []
+    args = engine_bench.parse_args(["tiny-qwen3-next", "--profile", "1,10", "--sync-lock", "/tmp/x.lock"])
+    assert args.profile == [1, 10] and args.sync_lock == "/tmp/x.lock"
+    args = engine_bench.parse_args(["tiny-qwen3-next"])
+    assert args.profile == [] and args.sync_lock is None
+    for bad in ("a", "1,-2"):
+        with pytest.raises(SystemExit):
+            engine_bench.parse_args(["tiny-qwen3-next", "--profile", bad])
 
 
 def test_smoke_scenario_is_gpu_baseline():
@@ -280,6 +299,134 @@ def test_deepgemm_entries(tmp_path):
     assert engine_bench.deepgemm_entries(str(tmp_path)) == {"cache/kernel.fp8_mqa_logits.0a1b"}
 
 
+# ------------------------------------------------------------------------- profiling
+
+def test_short_path(tmp_path):
+    sp = engine_bench.short_path
+    assert sp("/usr/lib/python3/dist-packages/vllm/v1/worker/gpu_model_runner.py") == \
+        "vllm/v1/worker/gpu_model_runner.py"
+    assert sp("/venv/lib/python3.12/site-packages/torch/site-packages/x.py") == "x.py"  # the last one
+    assert sp("/a/b/c/d/e/f.py") == "c/d/e/f.py"  # no package: the last 4 components
+    assert sp(str(BENCH / "engine_bench.py")) == "bench/engine_bench.py"  # this tree
+    assert sp("<frozen importlib._bootstrap>") == "<frozen importlib._bootstrap>"
+    assert sp("<string>") == "<string>"
+    # outside site-packages (a PYTHONPATH install, this tree): from the outermost package on
+    deep = tmp_path / "stage" / "vllm" / "model_executor" / "layers" / "fla" / "ops"
+    deep.mkdir(parents=True)
+    for d in (deep, *list(deep.parents)[:4]):
+        (d / "__init__.py").write_text("")
+    assert sp(str(deep / "chunk.py")) == "vllm/model_executor/layers/fla/ops/chunk.py"
+    assert sp(str(tmp_path / "stage" / "vllm" / "__init__.py")) == "vllm/__init__.py"
+    assert engine_bench.profile_func((str(deep / "chunk.py"), 12, "chunk_fwd")) == \
+        "vllm/model_executor/layers/fla/ops/chunk.py:12(chunk_fwd)"
+    assert engine_bench.profile_func(("~", 0, "<built-in method time.sleep>")) == "<built-in method time.sleep>"
+
+
+def test_profile_rows_order_and_fields():
+    f, g, h = ("/a/b/c/d/f.py", 1, "f"), ("/x/g.py", 2, "g"), ("~", 0, "<built-in method builtins.len>")
+    stats = {f: (2, 5, 0.123456, 0.9, {}), g: (3, 3, 0.5, 0.6, {}), h: (7, 7, 0.01, 0.01, {})}
+    by_tot = engine_bench.profile_rows(stats, "tottime", 30)
+    assert [r["func"] for r in by_tot] == ["x/g.py:2(g)", "b/c/d/f.py:1(f)", "<built-in method builtins.len>"]
+    assert by_tot[1] == {"func": "b/c/d/f.py:1(f)", "ncalls": 2, "tottime": 0.1235, "cumtime": 0.9}  # primitive calls
+    by_cum = engine_bench.profile_rows(stats, "cumtime", 2)
+    assert [r["func"] for r in by_cum] == ["b/c/d/f.py:1(f)", "x/g.py:2(g)"]
+    summary = engine_bench.profile_summary(stats, n=1)
+    assert summary == {"total_s": 0.6335, "top_tottime": by_tot[:1], "top_cumtime": by_cum[:1]}
+    text = engine_bench.format_profile(by_cum, n=1)
+    assert text.splitlines()[1].split() == ["2", "0.1235", "0.9000", "b/c/d/f.py:1(f)"]
+    assert len(text.splitlines()) == 2
+    with pytest.raises(KeyError):
+        engine_bench.profile_rows(stats, "ncalls", 3)
+
+
+def _leaf(n):
+    return sum(range(n))
+
+
+def _outer():
+    return [_leaf(20_000) for _ in range(3)]
+
+
+def test_profile_rows_from_a_real_profile(tmp_path):
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _outer()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = {re.sub(r".*\((\w+)\)$", r"\1", r["func"]): r for r in engine_bench.profile_rows(stats, "cumtime", 30)}
+    assert rows["_leaf"]["ncalls"] == 3 and rows["_outer"]["ncalls"] == 1
+    assert rows["_outer"]["cumtime"] >= rows["_leaf"]["cumtime"]
+    assert re.fullmatch(r"tests/test_bench\.py:\d+\(_leaf\)", rows["_leaf"]["func"])
+    assert engine_bench.profile_path(tmp_path / "run.json", 3) == tmp_path / "run.req3.prof"
+
+
+# ---------------------------------------------------------------------- EngineLock
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import engine_bench
+lock = engine_bench.EngineLock(sys.argv[2])
+with getattr(lock, sys.argv[3])():
+    print("held", flush=True)
+    time.sleep(float(sys.argv[4]))
+    open(sys.argv[5], "w").write("released")
+"""
+
+
+@pytest.mark.parametrize("theirs, mine, waits", [("shared", "exclusive", True), ("exclusive", "shared", True),
+                                                  ("shared", "shared", False)])
+def test_engine_lock_between_processes(tmp_path, theirs, mine, waits):
+    """Another process holds the lock `theirs`; taking it `mine` here waits for its release
+    unless both are shared."""
+    path, marker = tmp_path / "sub" / "engines.lock", tmp_path / "released"
+    path.parent.mkdir()
+    hold = 0.4 if waits else 0.6
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(BENCH), str(path), theirs, str(hold), str(marker)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with getattr(engine_bench.EngineLock(str(path)), mine)() as waited:
+            assert marker.exists() is waits  # released before we got it (or not)
+            assert isinstance(waited, float) and waited >= 0
+            if waits:
+                assert waited > 0.05
+    finally:
+        assert child.wait(timeout=10) == 0
+
+
+def _try_flock(path, mode) -> bool:
+    """Whether another open file of `path` gets the lock `mode` at once."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_engine_lock_modes_and_release(tmp_path):
+    path = tmp_path / "engines.lock"
+    lock = engine_bench.EngineLock(str(path))
+    with lock.shared() as waited:  # creates the file
+        assert path.exists() and waited >= 0
+        assert _try_flock(path, fcntl.LOCK_SH) and not _try_flock(path, fcntl.LOCK_EX)
+    assert _try_flock(path, fcntl.LOCK_EX)  # released
+    with lock.exclusive():
+        assert not _try_flock(path, fcntl.LOCK_SH)
+    assert _try_flock(path, fcntl.LOCK_EX)
+    with pytest.raises(RuntimeError):
+        with lock.exclusive():
+            raise RuntimeError("init failed")
+    assert _try_flock(path, fcntl.LOCK_EX)  # released on an exception too
+    nolock = engine_bench.EngineLock(None)
+    with nolock.shared() as a, nolock.exclusive() as b:
+        assert a == b == 0.0
+    assert [p.name for p in tmp_path.iterdir()] == ["engines.lock"]
+
+
 def test_gpu_run_script_parses():
     out = subprocess.run(["bash", "-n", str(BENCH / "gpu_run.sh")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -291,6 +438,12 @@ FAKE_VLLM = '''
 import json, os, types
 __version__ = "0.0.fake"
 MONITOR = []
+
+
+def event(what):
+    if os.environ.get("FAKE_EVENTS"):
+        with open(os.environ["FAKE_EVENTS"], "a") as f:
+            f.write(what + "\\n")
 
 
 def _compile(name, key):
@@ -325,6 +478,7 @@ class _Engine:
 
 class LLM:
     def __init__(self, **kw):
+        event("init")
         LLM.kwargs = kw
         _compile("fused_moe_kernel", "init")  # a compile during init
         if os.environ.get("KWARM_REPORT") and os.environ.get("KWARM_ENABLE") == "1":
@@ -345,6 +499,7 @@ class LLM:
         self.seen = set()
 
     def generate(self, prompts, sp, use_tqdm=True):
+        event("generate")
         shape = (len(prompts), len(prompts[0]["prompt_token_ids"]))
         if shape not in self.seen:
             self.seen.add(shape)
@@ -360,24 +515,33 @@ class LLM:
 '''
 
 
-@pytest.mark.parametrize("kwarm", ["off", "on"])
-def test_main_with_a_fake_engine(tmp_path, kwarm):
-    """engine_bench.py end to end with a stand-in `vllm` and `torch` (real Triton knobs):
-    hook chaining, per-request counts, DeepGEMM entries, the kwarm report, the JSON."""
+def fake_engine_env(tmp_path) -> dict:
+    """The environment of an engine_bench.py subprocess that imports a stand-in `vllm`
+    (FAKE_VLLM; it appends "imported", "init", "generate" to $FAKE_EVENTS when set) and
+    `torch`, with the real Triton knobs."""
     fake = tmp_path / "fake"
     (fake / "vllm" / "engine").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
     (fake / "vllm" / "engine" / "__init__.py").write_text("")
     (fake / "vllm" / "engine" / "arg_utils.py").write_text(
-        "import dataclasses\n@dataclasses.dataclass\nclass EngineArgs:\n    model: str = ''\n")
+        "import dataclasses\nfrom vllm import event\nevent('imported')\n"
+        "@dataclasses.dataclass\nclass EngineArgs:\n    model: str = ''\n")
     (fake / "torch").mkdir()
     (fake / "torch" / "__init__.py").write_text(
         "__version__ = '0.0.fake'\nclass cuda:\n    get_device_name = staticmethod(lambda i: 'Fake GPU')\n")
-    out = tmp_path / "r.json"
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_", "FAKE_"))}
     env.update(PYTHONPATH=f"{fake}:{REPO}", TMPDIR=str(tmp_path))
+    return env
+
+
+@pytest.mark.parametrize("kwarm", ["off", "on"])
+def test_main_with_a_fake_engine(tmp_path, kwarm):
+    """engine_bench.py end to end with a stand-in `vllm` and `torch` (real Triton knobs):
+    hook chaining, per-request counts, DeepGEMM entries, the kwarm report, the JSON."""
+    out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", kwarm,
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+                           "--out", str(out)], env=fake_engine_env(tmp_path), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["complete"] is True and res["gpu"] == "Fake GPU" and res["versions"]["vllm"] == "0.0.fake"
@@ -396,3 +560,85 @@ def test_main_with_a_fake_engine(tmp_path, kwarm):
     else:
         assert res["kwarm_warmup_s"] is None and res["kwarm_report"] is None
     assert "| 0.0.fake | %s | cold |" % kwarm in proc.stdout
+    assert res["sync"] is None and not any("profile" in r or "profiled" in r for r in res["requests"])
+    assert not list(tmp_path.glob("*.prof"))
+
+
+def test_main_profiles_requests(tmp_path):
+    out = tmp_path / "res" / "run.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
+                           "--profile", "10,0", "--out", str(out)], env=fake_engine_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["complete"] is True and res["args"]["profile"] == [0, 10]
+    assert [r["i"] for r in res["requests"] if r.get("profiled")] == [0, 10]
+    assert all("profile" not in r for r in res["requests"] if r["i"] not in (0, 10))
+    assert sorted(p.name for p in out.parent.glob("*.prof")) == ["run.req0.prof", "run.req10.prof"]
+    for i, inner in ((0, "generate"), (10, "run_mixed")):
+        prof = res["requests"][i]["profile"]
+        assert prof["file"] == str(out.parent / f"run.req{i}.prof")
+        raw = pstats.Stats(prof["file"]).stats  # the raw dump loads and holds the same calls
+        assert len(prof["top_cumtime"]) == len(prof["top_tottime"]) == min(engine_bench.PROFILE_ROWS, len(raw))
+        assert set(prof["top_cumtime"][0]) == {"func", "ncalls", "tottime", "cumtime"}
+        funcs = [r["func"] for r in prof["top_cumtime"]]
+        assert any(re.fullmatch(r"bench/engine_bench\.py:\d+\(run_request\)", f) for f in funcs), funcs
+        assert any(f.endswith(f"({inner})") for f in funcs), funcs
+        cum = [r["cumtime"] for r in prof["top_cumtime"]]
+        assert cum == sorted(cum, reverse=True) and prof["total_s"] > 0
+        assert any(name == "run_request" for (_, _, name) in raw)
+    # the fake vllm package, shortened from its own folder on
+    assert any(re.fullmatch(r"vllm/__init__\.py:\d+\(generate\)", r["func"])
+               for r in res["requests"][0]["profile"]["top_cumtime"])
+    after = proc.stdout.split("request 0 prefill 1x200:", 1)[1].split("request 1 ", 1)[0]
+    assert "top 15 by cumtime" in after and "(run_request)" in after
+    assert len([line for line in after.splitlines() if "(" in line and line.startswith("  ")]) >= 1
+    bad = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--profile", "12",
+                          "--out", str(out)], env=fake_engine_env(tmp_path / "x"), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "--profile [12]" in bad.stderr
+
+
+def _wait_for(path: Path, line: str, proc, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and line in path.read_text().split():
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError(f"no {line!r} in {path}")
+
+
+def test_main_sync_lock_orders_init_and_requests(tmp_path):
+    """A lock holder here: exclusive while the engine would initialize, then shared while it
+    would measure. The engine's init and first request each come after the release."""
+    lock, events, out = tmp_path / "engines.lock", tmp_path / "events", tmp_path / "run.json"
+    env = dict(fake_engine_env(tmp_path), FAKE_EVENTS=str(events))
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        proc = subprocess.Popen([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
+                                 "--scenario", "smoke", "--sync-lock", str(lock), "--out", str(out)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _wait_for(events, "imported", proc)  # just before LLM(): the engine now waits for us
+        time.sleep(0.3)
+        with events.open("a") as f:
+            f.write("released-init\n")
+        fcntl.flock(fd, fcntl.LOCK_SH)  # lets init through, holds the requests back
+        _wait_for(events, "init", proc)
+        time.sleep(0.3)
+        with events.open("a") as f:
+            f.write("released-requests\n")
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stdout
+    assert events.read_text().split() == ["imported", "released-init", "init", "released-requests"] + ["generate"] * 5
+    res = json.loads(out.read_text())
+    assert res["sync"]["lock"] == str(lock) and res["complete"] is True
+    assert res["sync"]["init_wait_s"] > 0 and res["sync"]["requests_wait_s"] > 0
+    # disjoint stretches of the run: init_s leaves out the wait for the lock
+    sync = res["sync"]
+    assert 0 <= res["init_s"] and res["init_s"] + sync["init_wait_s"] + sync["requests_wait_s"] <= res["wall_s"] + 0.06
+    assert "for %s" % lock in stdout
