@@ -29,6 +29,7 @@ OWNERS = {
     "_zero_kv_blocks_kernel": "runner",
     "_build_prefill_chunk_metadata_kernel": "dsa_indexer",
     "_convert_req_index_to_global_index_kernel": "dsa_indexer",
+    "fused_moe_kernel": "fused_moe",
 }
 LEARN_AND_REPLAY = "learn-and-replay"
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 
 from kwarm_ext.families import Step
@@ -302,6 +303,43 @@ def warm_zero_blocks(runner, zeroer, counts, use_warmup: bool = False) -> list:
                 labels.append(f"n_blocks={count}")
         synchronize(getattr(zeroer, "device", None))
     return labels
+
+
+# ---------------------------------------------------------------------------- eager steps (shared)
+
+def eager_range(view) -> tuple:
+    """(first, last) token count a step runs without a CUDA graph, from the runner's config."""
+    runner = view.runner
+    limits = [x for x in (view.max_num_batched_tokens, getattr(runner, "max_num_tokens", None))
+              if isinstance(x, int)]
+    last = min(limits, default=0)
+    compilation = getattr(runner, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if view.enforce_eager or mode is None:
+        return 1, last
+    mixed = mode.mixed_mode() if callable(getattr(mode, "mixed_mode", None)) else mode
+    if getattr(mixed, "name", "NONE") == "NONE":
+        return 1, last
+    top = getattr(compilation, "max_cudagraph_capture_size", None)
+    if not isinstance(top, int):
+        top = max(getattr(compilation, "cudagraph_capture_sizes", None) or [0])
+    return int(top) + 1, last
+
+
+def dummy_runner(runner, **extra):
+    """``lambda M: runner._dummy_run(M, cudagraph_runtime_mode=NONE, skip_eplb=True, **extra)``:
+    vLLM's own eager forward over dummy tokens (V1 runner), bound to this release's signature
+    first, so a change there is a logged skip."""
+    mode = resolve("vllm.config:CUDAGraphMode", "vllm.config.compilation:CUDAGraphMode").NONE
+    kwargs = {"cudagraph_runtime_mode": mode, **extra}
+    if "skip_eplb" in inspect.signature(runner._dummy_run).parameters:
+        kwargs["skip_eplb"] = True
+    bind(runner._dummy_run, 1, **kwargs)
+
+    def run(num_tokens: int):
+        return runner._dummy_run(num_tokens, **kwargs)
+
+    return run
 
 
 # ---------------------------------------------------------------------------- helpers

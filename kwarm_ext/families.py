@@ -59,5 +59,11 @@ FAMILIES = {
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs"),
+        Family("eager_attention", "kwarm_ext.kernels.eager_attention",
+               "one eager prefill and one mixed dummy step with attention metadata: the first use "
+               "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
+        Family("frontend", "kwarm_ext.frontend",
+               "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
+               "is built, not on the first request"),
     )
 }

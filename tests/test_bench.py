@@ -85,15 +85,15 @@ def test_ownership_mapping(run):
     assert table.owner("vllm.v1.worker.block_table._compute_slot_mapping_kernel") == "runner"
     assert table.owner("_build_prefill_chunk_metadata_kernel") == "dsa_indexer"
     assert table.owner("_convert_req_index_to_global_index_kernel") == "dsa_indexer"
-    assert table.owner("fused_moe_kernel") == "learn-and-replay"
+    assert table.owner("fused_moe_kernel") == "fused_moe"
     assert table.owner("kernel_unified_attention") == "learn-and-replay"
-    assert table.owner_counts(run) == {"qwen_gdn": 2, "runner": 4, "learn-and-replay": 8}
+    assert table.owner_counts(run) == {"qwen_gdn": 2, "runner": 4, "fused_moe": 6, "learn-and-replay": 2}
 
     text = table.render([run])
-    assert "14 compiles (learn-and-replay 8, qwen_gdn 2, runner 4)" in text
+    assert "14 compiles (fused_moe 6, learn-and-replay 2, qwen_gdn 2, runner 4)" in text
     assert "  - req 0 `_causal_conv1d_fwd_kernel` → qwen_gdn: key `((('*bf16', 'D')" in text
     assert "  - req 4 `_zero_kv_blocks_kernel` → runner: key `" in text
-    assert text.count("`fused_moe_kernel` → learn-and-replay") == 6
+    assert text.count("`fused_moe_kernel` → fused_moe") == 6
     short = table.render([run], keys=False)
     assert "key `" not in short
     assert "  - req 0 `_compute_slot_mapping_kernel` ×2 → runner" in short
@@ -111,11 +111,11 @@ def test_several_runs_one_table(run, tmp_path, capsys):
     assert "not an engine_bench result" in out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| 0.24.0")]
     assert rows[0] == ROW_OFF  # off before on
-    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (3), 0.038, 1.15 (3), 0.039, 1.08 (2) | 8 | 7.6 |"
+    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (1), 0.038, 1.15 (1), 0.039, 1.08 | 2 | 7.6 |"
     assert out.out.count("### tiny-qwen3-next") == 1
     assert ("warmup 8.70 s: runner ran 0.600 s, 2/2 steps, 4 compiled; qwen_gdn ran 8.00 s, 5/6 steps, "
             "9 compiled; dsa_indexer skipped (no DSA indexer layer)") in out.out
-    assert "kwarm on · warm Triton cache**: 8 compiles (learn-and-replay 8)" in out.out
+    assert "kwarm on · warm Triton cache**: 2 compiles (learn-and-replay 2)" in out.out
 
 
 def test_kwarm_on_without_report_is_flagged(run):

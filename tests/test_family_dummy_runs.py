@@ -1,5 +1,7 @@
-"""The ``fused_moe`` family against each release's real ``try_get_optimal_moe_config``,
-``CUDAGraphMode`` and ``GPUModelRunner._dummy_run`` signature, through kwarm's whole warmup.
+"""The families that warm through the runner's dummy runs, ``fused_moe`` and
+``eager_attention``, against each release's real ``try_get_optimal_moe_config``,
+``CUDAGraphMode``, ``TritonAttentionBackend`` and ``GPUModelRunner._dummy_run`` signature,
+through kwarm's whole warmup.
 
 What cannot exist on CPU is stood in for, and only that:
 
@@ -10,6 +12,7 @@ What cannot exist on CPU is stood in for, and only that:
   production calls it by (``experts/triton_moe.py``, or ``fused_moe.py`` before 0.22);
 - the MoE layer: a real ``MoERunner`` (0.24+; ``FusedMoE`` before) made without
   ``__init__`` (which needs a distributed setup); only its class is read;
+- a FlashInfer backend (not installed on CPU): a stand-in with its name;
 - the device name that picks vLLM's tuned config file comes from the driver: it is set to
   "NVIDIA H200" (the GPU host's), so the real tuned tables shipped with vLLM are used.
 """
@@ -26,7 +29,7 @@ from conftest import MATRIX, cpu_triton_env, result_of, run_py
 NEUTRAL_CWD = tempfile.gettempdir()
 
 SCENARIO = r'''
-import inspect, json, logging, sys
+import inspect, json, logging, os, sys
 from types import SimpleNamespace
 
 import vllm.platforms
@@ -37,6 +40,13 @@ try:  # what registers in the forward context: MoERunner (0.24+), else the Fused
 except ImportError:
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE as MoELayer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+
+class FlashInferStandIn:
+    @staticmethod
+    def get_name():
+        return "FLASHINFER"
 
 vllm.platforms.current_platform.get_device_name = lambda device_id=0: "NVIDIA H200"
 try:
@@ -61,10 +71,14 @@ class Runner:
             max_cudagraph_capture_size=case["capture"],
             static_forward_context={"model.layers.1.mlp.experts": MoELayer.__new__(MoELayer)})
         self.max_num_tokens = case["max_tokens"]
+        backend = FlashInferStandIn if case.get("backend") == "flashinfer" else TritonAttentionBackend
+        self.attn_groups = [[SimpleNamespace(backend=backend)]]
 
     def _dummy_run(self, num_tokens, *args, **kwargs):
         self.calls.append({"M": num_tokens, "mode": getattr(kwargs.get("cudagraph_runtime_mode"), "name", None),
-                           "skip_eplb": kwargs.get("skip_eplb")})
+                           "skip_eplb": kwargs.get("skip_eplb"),
+                           "attention": kwargs.get("force_attention", False),
+                           "mixed": kwargs.get("create_mixed_batch", False)})
         if num_tokens == self.case.get("fail_at"):
             raise RuntimeError("dummy run failed")
         if self.case.get("experts", "triton") == "triton":
@@ -85,6 +99,7 @@ def run_case(case):
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         compilation_config=runner.compilation_config)
     worker = SimpleNamespace(model_runner=runner, vllm_config=vllm_config)
+    os.environ["KWARM_WARMUPS"] = case.get("warmups", "fused_moe")
     config.reset()
     logs = []
     handler = logging.Handler()
@@ -93,7 +108,8 @@ def run_case(case):
     report = warmup.run(worker)
     logging.getLogger("kwarm").removeHandler(handler)
     fam = next(f for f in report["families"] if f["name"] == "fused_moe")
-    return {"family": fam, "calls": runner.calls, "logs": logs,
+    eager = next(f for f in report["families"] if f["name"] == "eager_attention")
+    return {"family": fam, "eager": eager, "calls": runner.calls, "logs": logs,
             "restored": all(getattr(m, "try_get_optimal_moe_config", REAL) is REAL
                             for n, m in list(sys.modules.items()) if n.startswith("vllm.model_executor.layers.fused_moe")),
             "eager_range": list(family.eager_range(SimpleNamespace(
@@ -120,6 +136,10 @@ CASES = {
     "eager": dict(TINY, enforce_eager=True, max_tokens=256),
     "other_backend": dict(TINY, experts="cutlass"),
     "failing": dict(TINY, fail_at=33),
+    "attention": dict(TINY, warmups="fused_moe,eager_attention"),
+    "attention_no_graphs": dict(TINY, warmups="eager_attention", mode="NONE"),
+    # not named (naming a family forces it past upstream's coverage)
+    "attention_flashinfer": dict(TINY, warmups="*,-replay,-fused_moe,-frontend", backend="flashinfer"),
 }
 
 
@@ -197,3 +217,26 @@ def test_failing_dummy_run_is_one_warning(release):
     warnings = [m for m in result["logs"] if "fused_moe.eager_sizes failed" in m]
     assert len(warnings) == 1, result["logs"]
     assert result["restored"], "restored even when the probe's forward raises"
+
+
+def test_eager_attention_after_fused_moe(release):
+    """An all-prefill then a mixed step at the smallest eager size (33), with attention
+    metadata, after the fused-MoE dummy runs (which have none)."""
+    result = _batch(release)["attention"]
+    calls = result["calls"]
+    moe = [c for c in calls if not c["attention"]]
+    attention = [c for c in calls if c["attention"]]
+    assert moe and calls[: len(moe)] == moe, "fused_moe runs first"
+    assert [(c["M"], c["mixed"], c["mode"]) for c in attention] == [(33, False, "NONE"), (33, True, "NONE")]
+    assert [s["status"] for s in result["eager"]["steps"]] == ["ran", "ran"]
+
+
+def test_eager_attention_without_graphs_uses_16_tokens(release):
+    result = _batch(release)["attention_no_graphs"]
+    assert [(c["M"], c["attention"], c["mixed"]) for c in result["calls"]] == [(16, True, False), (16, True, True)]
+
+
+def test_eager_attention_leaves_flashinfer_to_upstream(release):
+    result = _batch(release)["attention_flashinfer"]
+    assert result["calls"] == []
+    assert result["eager"]["steps"][0]["reason"] == "covered by upstream kernel_warmup (FlashInfer attention)"

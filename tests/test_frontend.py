@@ -1,0 +1,85 @@
+"""The front-end warmup against the real ``InputProcessor`` class and vLLM's real
+logits-processor plugin loader (``cached_load_custom_logitsprocs``, an ``lru_cache``).
+
+Each case runs in a fresh interpreter, so that the cache starts empty. Building a real
+``InputProcessor`` needs an engine's ``VllmConfig`` (a model, a device): the wrapped
+``__init__`` is called with a stand-in for the original, on an object carrying only the
+``model_config.logits_processors`` the warmup reads.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import clean_env, result_of, run_py
+
+SCENARIO = r'''
+import json, logging, sys
+from types import SimpleNamespace
+
+import wrapt
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import input_processor as module
+from vllm.v1.sample import logits_processor as lp
+
+from kwarm_ext import patches
+
+logs = []
+handler = logging.Handler()
+handler.emit = lambda record: logs.append(record.getMessage())
+logging.getLogger("kwarm").addHandler(handler)
+
+first, second = patches.patch_input_processor(module), patches.patch_input_processor(module)
+wrapper = module.InputProcessor.__dict__["__init__"]
+wrapped_ok = (isinstance(wrapper, wrapt.FunctionWrapper)  # vLLM's own __init__, wrapped once
+              and not isinstance(wrapper.__wrapped__, wrapt.FunctionWrapper)
+              and wrapper.__wrapped__.__module__ == module.__name__)
+
+procs = json.loads(sys.argv[1])
+instance = SimpleNamespace(model_config=SimpleNamespace(logits_processors=procs))
+inits = []
+raised = None
+try:
+    patches._wrap_input_processor_init(lambda *a, **k: inits.append(1), instance, (), {})
+except Exception as exc:
+    raised = type(exc).__name__
+after_warm = lp.cached_load_custom_logitsprocs.cache_info()._asdict()
+if raised is None and procs is None:
+    lp.validate_logits_processors_parameters(None, SamplingParams())  # what request 0 does
+after_request = lp.cached_load_custom_logitsprocs.cache_info()._asdict()
+print("RESULT " + json.dumps({"patched": [first, second], "wrapped_ok": wrapped_ok, "inits": len(inits),
+                              "after_warm": after_warm, "after_request": after_request,
+                              "raised": raised, "logs": logs}))
+'''
+
+
+def _run(procs=None, **env):
+    code = SCENARIO.replace("json.loads(sys.argv[1])", repr(procs))
+    return result_of(run_py(code, env=clean_env(CUDA_VISIBLE_DEVICES="", **env), timeout=240))
+
+
+def test_plugins_load_at_init_and_the_first_request_hits_the_cache():
+    r = _run(KWARM_ENABLE="1")
+    assert r["patched"][1] is False and r["wrapped_ok"], "wrapped once (activation may have done it already)"
+    assert r["inits"] == 1, "vLLM's own __init__ runs first"
+    assert r["after_warm"]["misses"] == 1 and r["after_warm"]["currsize"] == 1
+    assert r["after_request"]["hits"] == 1 and r["after_request"]["misses"] == 1, \
+        "the first request's validation is a cache hit"
+    assert any("front end: logits-processor plugins loaded" in m for m in r["logs"])
+
+
+def test_warmups_without_frontend_load_nothing():
+    r = _run(KWARM_ENABLE="1", KWARM_WARMUPS="*,-frontend")
+    assert r["inits"] == 1
+    assert r["after_warm"]["currsize"] == 0
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_plugin_that_fails_to_load_is_one_warning(strict):
+    r = _run(["kwarm_no_such_module.Processor"], KWARM_ENABLE="1", KWARM_STRICT=strict)
+    assert r["inits"] == 1
+    if strict == "1":
+        assert r["raised"] is not None
+    else:
+        assert r["raised"] is None
+        warnings = [m for m in r["logs"] if "front-end warmup failed" in m]
+        assert len(warnings) == 1, r["logs"]
