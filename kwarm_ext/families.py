@@ -12,7 +12,9 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   family's default text in the summary line, and the dict goes into the JSON report.
 
 ``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
-kwarm_ext/replay.py rather than under ``kernels/``.
+kwarm_ext/replay.py rather than under ``kernels/``; ``frontend`` (kwarm_ext/frontend.py) runs in
+vLLM's front-end process, not in the worker, and is listed here so that ``KWARM_WARMUPS``
+selects it like the others.
 
 Selection: ``KWARM_WARMUPS`` (see kwarm_ext/config.py) > each family's own ``applies``.
 """
