@@ -65,7 +65,7 @@ def applies(view) -> str | None:
 
 def plan(view, forced) -> list:
     first, last = eager_range(view)
-    tokens = min(max(first, _DEFAULT_TOKENS if first == 1 else first), last)
+    tokens = min(first if first > 1 else _DEFAULT_TOKENS, last)
     if tokens < 2:
         return [Step("prefill", KERNEL, skip=f"no eager prefill size (max tokens {last})")]
     if not forced and _upstream_covers(view):

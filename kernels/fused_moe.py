@@ -56,14 +56,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import math
 import sys
 
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.runner import dummy_runner, eager_range
-from kwarm_ext.vllm_compat import Missing, resolve
+from kwarm_ext.vllm_compat import Missing, bind, resolve
 
 logger = logging.getLogger("kwarm")
 
@@ -115,32 +114,26 @@ def details() -> dict:
 @dataclasses.dataclass(frozen=True)
 class ConfigCall:
     """One way production asks for a config: the arguments of ``try_get_optimal_moe_config``
-    with M left out."""
+    by name, with M left out."""
 
-    args: tuple
     kwargs: tuple  # sorted (name, value) pairs
-    m_name: str
     top_k: int | None
     num_experts: int | None
 
     def config(self, fn, m: int) -> dict:
-        kwargs = dict(self.kwargs)
-        kwargs[self.m_name] = m
-        return fn(*self.args, **kwargs)
+        return fn(**dict(self.kwargs), M=m)
 
 
 def config_call(fn, args, kwargs) -> ConfigCall:
     """The :class:`ConfigCall` of one observed call (its arguments bound by name)."""
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    named = dict(bound.arguments)
-    if "M" not in named:
-        raise Missing(f"{fn.__qualname__}{inspect.signature(fn)} has no parameter M")
-    named.pop("M")
+    named = dict(bind(fn, *args, **kwargs).arguments)
+    if named.pop("M", None) is None:
+        raise Missing(f"{fn.__qualname__}: no argument M in this call")
     top_k = named.get("top_k")
     w2_shape = named.get("w2_shape")
     num_experts = int(w2_shape[0]) if w2_shape is not None and len(w2_shape) == 3 else None
     frozen = tuple(sorted((k, _freeze(v)) for k, v in named.items()))
-    return ConfigCall((), frozen, "M", int(top_k) if isinstance(top_k, int) else None, num_experts)
+    return ConfigCall(frozen, int(top_k) if isinstance(top_k, int) else None, num_experts)
 
 
 def _freeze(value):

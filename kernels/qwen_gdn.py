@@ -75,8 +75,8 @@ import logging
 import types
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import (INT_CLASSES, classes_for, int_key, split_steps, synchronize,
-                                      upstream_qwen_module)
+from kwarm_ext.kernels.runner import (INT_CLASSES, classes_for, int_key, split_by_key, split_steps,
+                                      synchronize, upstream_qwen_module)
 from kwarm_ext.triton_compat import param_mode
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
@@ -282,13 +282,12 @@ def _conv_steps(work, tag, upstream, max_tokens) -> list:
         return (int_key(t, modes["seqlen"]), int_key(x_pitch, modes["stride_x_token"]),
                 int_key(out_pitch, modes["stride_o_token"]), index_stride, has_bias)
 
-    covered = ()
+    up_keys = set()
     if upstream is not None and hasattr(upstream, "_warm_causal_conv1d_fwd_kernel"):
         # upstream: x = [1, conv_dim].T (dense), state indices [1] (stride 1), no bias
-        up_key = key(1, s.conv_dim, s.conv_dim, 1, False)
-        covered = tuple(t for t in counts if key(t, s.pitch, conv_output(s, t).stride(0), s.index_stride,
-                                                 s.has_bias) == up_key)
-    todo = tuple(t for t in counts if t not in covered)
+        up_keys = {key(1, s.conv_dim, s.conv_dim, 1, False)}
+    todo, covered = split_by_key(
+        counts, lambda t: key(t, s.pitch, conv_output(s, t).stride(0), s.index_stride, s.has_bias), up_keys)
     return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (causal_conv1d_fn)",
                   lambda: warm_conv_fwd(work, fn, todo))
 
@@ -390,15 +389,13 @@ def _post_conv_steps(work, tag, upstream, max_tokens, split_path) -> list:
 
     lengths = tuple(n for n in POST_CONV_LENGTHS if n <= max_tokens) or (1,)
     variants = [v[:3] for v in post_conv_variants(s, split_path, itemsize, lengths, key)]
-    covered = ()
+    up_keys = set()
     if upstream is not None and hasattr(upstream, "_warm_fused_post_conv_kernel"):
         # upstream: fresh contiguous [L, conv_dim] conv output, aligned contiguous [L, HV] a/b
         up_lengths = tuple(getattr(upstream, "_FLA_POST_CONV_WARMUP_LENGTHS", POST_CONV_LENGTHS))
         up_keys = {key(n, s.conv_dim, s.hv, (True, True, True)) for n in up_lengths}
-        covered = tuple(v for v in variants
-                        if key(v[2], conv_output(s, v[0] + v[2]).stride(0),
-                               s.ab_stride, v[1]) in up_keys)
-    todo = tuple(v for v in variants if v not in covered)
+    todo, covered = split_by_key(
+        variants, lambda v: key(v[2], conv_output(s, v[0] + v[2]).stride(0), s.ab_stride, v[1]), up_keys)
     return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (fused_post_conv_prep)",
                   lambda: warm_post_conv(work, fn, todo))
 

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import logging
 
 from kwarm_ext.families import Step
@@ -163,14 +162,18 @@ def _zero_steps(view, forced: bool) -> list:
                        lambda: warm_zero_blocks(view.runner, zeroer, todo, use_warmup))
 
 
+def split_by_key(items, key_of, up_keys) -> tuple:
+    """(items whose ``key_of(item)`` is not in `up_keys`, the ones upstream already warms)."""
+    return (tuple(i for i in items if key_of(i) not in up_keys),
+            tuple(i for i in items if key_of(i) in up_keys))
+
+
 def partition(counts, mode: str, upstream) -> tuple:
     """Split integer `counts` into (to warm, already warmed by upstream's ``(name, counts)``),
     comparing the keys Triton would build for them."""
     if upstream is None:
         return tuple(counts), ()
-    up_keys = {int_key(n, mode) for n in upstream[1]}
-    return (tuple(n for n in counts if int_key(n, mode) not in up_keys),
-            tuple(n for n in counts if int_key(n, mode) in up_keys))
+    return split_by_key(counts, lambda n: int_key(n, mode), {int_key(n, mode) for n in upstream[1]})
 
 
 def split_steps(name: str, kernel: str, todo, covered, up_name, run) -> list:
@@ -332,7 +335,7 @@ def dummy_runner(runner, **extra):
     first, so a change there is a logged skip."""
     mode = resolve("vllm.config:CUDAGraphMode", "vllm.config.compilation:CUDAGraphMode").NONE
     kwargs = {"cudagraph_runtime_mode": mode, **extra}
-    if "skip_eplb" in inspect.signature(runner._dummy_run).parameters:
+    if "skip_eplb" in params(runner._dummy_run):
         kwargs["skip_eplb"] = True
     bind(runner._dummy_run, 1, **kwargs)
 

@@ -30,12 +30,9 @@ logger = logging.getLogger("kwarm")
 NAME = "frontend"
 
 
-def applies(view) -> str | None:  # the worker side of the family registry
+def applies(view) -> str | None:
+    """The worker side of the family registry: always a skip, so no ``plan`` is needed."""
     return "runs in the front end, when vLLM builds its InputProcessor"
-
-
-def plan(view, forced) -> list:
-    return []
 
 
 def warm(input_processor) -> float | None:

@@ -66,12 +66,25 @@ class Stamp:
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
-    """One compilation: replay compiles `spec` under `key` with `launch_options`."""
+class _KernelItem:
+    """What an entry and an autotune choice share: the kernel they belong to."""
 
     module: str
     qualname: str
-    source_key: str  # JITFunction.cache_key when recorded: a changed source means a stale entry
+    source_key: str  # JITFunction.cache_key when recorded: a changed source means a stale item
+
+    @property
+    def kernel(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry(_KernelItem):
+    """One compilation: replay compiles `spec` under `key` with `launch_options`."""
+
     key: str  # Triton's in-memory cache key, exactly as a launch computes it
     launch_options: dict  # the options at the end of `key`, in launch order
     spec: dict  # Triton's specialization data (name, signature, constants, attrs), no options
@@ -81,24 +94,14 @@ class Entry:
         return (self.module, self.qualname, self.source_key, self.key)
 
     @property
-    def kernel(self) -> str:
-        return f"{self.module}:{self.qualname}"
-
-    @property
     def label(self) -> str:
         return f"{self.kernel} [{short_hash(self.key)}]"
 
-    def as_json(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class TuneChoice:
+class TuneChoice(_KernelItem):
     """An autotuner's chosen config for one tuning key."""
 
-    module: str
-    qualname: str
-    source_key: str
     key: list  # Autotuner.cache key: the key arguments' values, then argument dtypes
     config: dict  # {"kwargs": {...}, "num_warps", "num_stages", "num_ctas", "maxnreg"}
 
@@ -107,15 +110,8 @@ class TuneChoice:
         return (self.module, self.qualname, self.source_key, json.dumps(self.key))
 
     @property
-    def kernel(self) -> str:
-        return f"{self.module}:{self.qualname}"
-
-    @property
     def label(self) -> str:
         return f"{self.kernel} autotune {tuple(self.key)}"
-
-    def as_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass

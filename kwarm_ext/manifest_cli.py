@@ -39,17 +39,26 @@ def _load(path: str):
         return None, str(exc)
 
 
-def show(paths: list) -> int:
+def _each_loaded(paths: list, handle) -> int:
+    """``handle(path, manifest)`` for every loadable path (an exit code); an unloadable path
+    is one line and code 2. Returns the worst code."""
     worst = 0
     for path in paths:
         data, why = _load(path)
         if data is None:
             print(f"{path}: unusable: {why}")
             worst = 2
-            continue
-        print(render(path, data))
-        worst = max(worst, 1 if data.problems else 0)
+        else:
+            worst = max(worst, handle(path, data))
     return worst
+
+
+def show(paths: list) -> int:
+    def one(path, data):
+        print(render(path, data))
+        return 1 if data.problems else 0
+
+    return _each_loaded(paths, one)
 
 
 def render(path: str, data) -> str:
@@ -104,13 +113,8 @@ def verify(paths: list) -> int:
     from kwarm_ext import config, replay
 
     current = manifest.current_stamp()  # None without a GPU driver
-    worst = 0
-    for path in paths:
-        data, why = _load(path)
-        if data is None:
-            print(f"{path}: unusable: {why}")
-            worst = 2
-            continue
+
+    def one(path, data):
         fatal, notes = _stamp_check(data.stamp, current)
         problems = list(data.problems)
         resolver = replay.Resolver(config.get().allowed_modules)
@@ -123,8 +127,9 @@ def verify(paths: list) -> int:
         print(f"{path}: {usable} of {total} items usable here" + (f" ({fatal})" if fatal else ""))
         print("".join(f"  note: {note}\n" for note in notes), end="")
         print("".join(f"  {label}: {reason}\n" for label, reason in problems), end="")
-        worst = max(worst, 1 if fatal or problems else 0)
-    return worst
+        return 1 if fatal or problems else 0
+
+    return _each_loaded(paths, one)
 
 
 def _stamp_check(stamp, current) -> tuple:
@@ -155,7 +160,7 @@ def _entry_problems(entry, resolver) -> list:
 def _choice_problems(choice, resolver) -> list:
     from kwarm_ext import replay, triton_compat
 
-    kernel, why = replay.check_choice(choice, resolver)
+    kernel, why = replay.check_kernel(choice, resolver)
     if why:
         return [(choice.label, why[1])]
     _, why = triton_compat.find_config(kernel, choice.config)

@@ -40,22 +40,29 @@ def install() -> None:
         return
     import wrapt
 
-    wrapt.register_post_import_hook(_on_gpu_worker_import, TARGET_MODULE)
-    wrapt.register_post_import_hook(_on_input_processor_import, FRONTEND_MODULE)
+    wrapt.register_post_import_hook(
+        _guarded(patch, f"wrap {TARGET_MODULE}.{TARGET_ATTRIBUTE}, kwarm's warmup will not run"), TARGET_MODULE)
+    wrapt.register_post_import_hook(
+        _guarded(patch_input_processor, f"wrap {FRONTEND_MODULE}.InputProcessor.__init__, the front-end "
+                                        "warmup will not run"), FRONTEND_MODULE)
     _installed = True
 
 
-def _on_gpu_worker_import(module) -> None:
-    """wrapt lets a hook's exception fail the user's import: never let one out."""
-    try:
-        patch(module)
-    except Exception as exc:
-        logger.warning("kwarm: could not wrap %s.%s, kwarm's warmup will not run: %r",
-                       TARGET_MODULE, TARGET_ATTRIBUTE, exc)
-        from kwarm_ext import config
+def _guarded(patch_module, what: str):
+    """A post-import hook calling ``patch_module(module)``: wrapt lets a hook's exception fail
+    the user's import, so one never gets out (one warning; KWARM_STRICT re-raises)."""
 
-        if config.get().strict:
-            raise
+    def hook(module) -> None:
+        try:
+            patch_module(module)
+        except Exception as exc:
+            logger.warning("kwarm: could not %s: %r", what, exc)
+            from kwarm_ext import config
+
+            if config.get().strict:
+                raise
+
+    return hook
 
 
 def patch(module) -> bool:
@@ -107,18 +114,6 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
 
 
 # ---------------------------------------------------------------------------- front end
-
-def _on_input_processor_import(module) -> None:
-    try:
-        patch_input_processor(module)
-    except Exception as exc:
-        logger.warning("kwarm: could not wrap %s.InputProcessor.__init__, the front-end warmup "
-                       "will not run: %r", FRONTEND_MODULE, exc)
-        from kwarm_ext import config
-
-        if config.get().strict:
-            raise
-
 
 def patch_input_processor(module) -> bool:
     """Wrap ``module.InputProcessor.__init__`` once. Returns whether this call wrapped it."""

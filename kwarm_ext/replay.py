@@ -198,7 +198,7 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     for entry in data.entries:
         _plan_entry(state, entry, resolver, chosen)
     for choice in data.autotune:
-        kernel, why = check_choice(choice, resolver)
+        kernel, why = check_kernel(choice, resolver)
         if why:
             state.skip(choice.label, *why)
         else:
@@ -206,27 +206,26 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     return state
 
 
-def check_entry(entry, resolver: Resolver):
-    """(ResolvedKernel, None) when `entry` may be replayed here, else (None, (kind, reason))."""
-    kernel, why = resolver.kernel(entry.module, entry.qualname)
+def check_kernel(item, resolver: Resolver):
+    """(ResolvedKernel, None) when the kernel of `item` (an entry or an autotune choice)
+    resolves here with the source it was recorded with, else (None, (kind, reason))."""
+    kernel, why = resolver.kernel(item.module, item.qualname)
     if why:
         return None, why
-    if kernel.source_key != entry.source_key:
+    if kernel.source_key != item.source_key:
         return None, ("source changed", "the kernel's source changed since it was recorded")
+    return kernel, None
+
+
+def check_entry(entry, resolver: Resolver):
+    """:func:`check_kernel`, and no compiler option that substitutes IR or links libraries."""
+    kernel, why = check_kernel(entry, resolver)
+    if why:
+        return None, why
     refused = [name for name in entry.launch_options if name in REFUSED_OPTIONS]
     if refused:
         return None, ("option refused", "; ".join(
             f"compiler option {name} refused: it {REFUSED_OPTIONS[name]}" for name in refused))
-    return kernel, None
-
-
-def check_choice(choice, resolver: Resolver):
-    """Like :func:`check_entry`, for an autotune choice."""
-    kernel, why = resolver.kernel(choice.module, choice.qualname)
-    if why:
-        return None, why
-    if kernel.source_key != choice.source_key:
-        return None, ("source changed", "the kernel's source changed since it was recorded")
     return kernel, None
 
 

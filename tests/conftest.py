@@ -50,11 +50,37 @@ def run_py(code: str, *, env: dict | None = None, release: str | None = None, ar
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
-def result_of(proc: subprocess.CompletedProcess):
-    """The JSON after the last ``RESULT `` line a `run_py` child printed (asserting it ran)."""
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+def marked_json(proc: subprocess.CompletedProcess, mark: str = "RESULT ") -> tuple:
+    """``(True, the JSON after the last line starting with `mark`)`` when the `run_py` child
+    ran to that line, else ``(False, why)`` with the ends of its output."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(mark)]
+    if proc.returncode or not lines:
+        return False, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return True, json.loads(lines[-1][len(mark):])
+
+
+def result_of(proc: subprocess.CompletedProcess, mark: str = "RESULT "):
+    """:func:`marked_json`'s value, asserting the child ran."""
+    ok, value = marked_json(proc, mark)
+    assert ok, value
+    return value
+
+
+def run_cases(scenario: str, cases: dict, release: str, timeout: float = 240, **env):
+    """Run `scenario` once for `release` under :func:`cpu_triton_env` (plus `env`), with
+    `cases` as JSON in place of its ``__ARGS__``; returns what it printed after ``RESULT ``."""
+    code = scenario.replace("__ARGS__", repr(json.dumps(cases)))
+    return result_of(run_py(code, release=release, env=cpu_triton_env(**env), timeout=timeout))
+
+
+def release_version(release: str) -> tuple:
+    """'0.26.0' -> (0, 26)."""
+    return tuple(int(x) for x in release.split(".")[:2])
+
+
+def plan_steps(result: dict, plan: str) -> dict:
+    """The steps of one recorded family plan, by name."""
+    return {s["name"]: s for s in result["plans"][plan]}
 
 
 def cpu_triton_env(**extra) -> dict:
@@ -85,8 +111,16 @@ class PerRelease:
         assert ok, value
         return value
 
+    def autouse_fixture(self):
+        """A module-scoped autouse fixture that starts, at the module's first test, the
+        scenario of every release its tests ask for: ``_prefetch = SCENARIOS.autouse_fixture()``."""
+        def _prefetch(request):
+            yield from self.prefetch(request)
+
+        return pytest.fixture(scope="module", autouse=True, name="_prefetch")(_prefetch)
+
     def prefetch(self, request):
-        """Generator body for a module-scoped autouse fixture."""
+        """Generator body of :meth:`autouse_fixture`."""
         for item in request.session.items:
             params = getattr(getattr(item, "callspec", None), "params", {})
             if item.module is request.module and "release" in params:

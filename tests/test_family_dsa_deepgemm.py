@@ -44,12 +44,11 @@ template parameters DeepGEMM's SM90 kernels are specialized on (read in the whee
 """
 from __future__ import annotations
 
-import json
-import tempfile
-
 import pytest
 
-from conftest import MATRIX, REPO, PerRelease, cpu_triton_env, run_py
+from conftest import MATRIX, REPO, PerRelease, cpu_triton_env, marked_json, run_py
+from conftest import plan_steps as steps
+from conftest import release_version as v
 
 CONFIG = str(REPO / "bench" / "models" / "tiny-deepseek-v32" / "config.json")  # index 64 x 128, top-k 256
 MARK = "KWARM-DG-RESULT "
@@ -431,11 +430,7 @@ print("KWARM-DG-RESULT " + json.dumps(OUT, default=repr))
 
 
 SCENARIOS = PerRelease(lambda release: _scenario(release))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _prefetch(request):
-    yield from SCENARIOS.prefetch(request)
+_prefetch = SCENARIOS.autouse_fixture()
 
 
 scenario = SCENARIOS.result  # the results for one release (one subprocess per release per session)
@@ -443,20 +438,8 @@ scenario = SCENARIOS.result  # the results for one release (one subprocess per r
 
 def _scenario(release: str) -> tuple[bool, object]:
     head = f"CONFIG = {CONFIG!r}\nSEQS = {SEQS!r}\nCAPTURE_SIZES = {CAPTURE_SIZES!r}\n"
-    proc = run_py(head + SCENARIO, env=cpu_triton_env(), release=release, timeout=600,
-                  cwd=tempfile.gettempdir())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode or not lines:
-        return False, f"scenario failed on {release}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return True, json.loads(lines[-1][len(MARK):])
-
-
-def v(release: str) -> tuple:
-    return tuple(int(x) for x in release.split(".")[:2])
-
-
-def steps(result: dict, plan: str) -> dict:
-    return {s["name"]: s for s in result["plans"][plan]}
+    proc = run_py(head + SCENARIO, env=cpu_triton_env(), release=release, timeout=600)
+    return marked_json(proc, MARK)
 
 
 DG_STEP_NAMES = ("mqa_logits", "paged_mqa_logits", "paged_mqa_logits_metadata")

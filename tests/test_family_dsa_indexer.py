@@ -3,7 +3,7 @@
 Each release (0.20.0, 0.22.0, 0.24.0, 0.26.0, 0.28.0, and 0.33.0) runs once, in a fresh
 interpreter under ``TRITON_INTERPRET=1`` (``cpu_triton_env()``): the family plans and runs
 its steps against vLLM's real Triton kernels with CPU tensors shaped like the tiny
-DeepSeek-V3.2 (/work/shared/gpu-kit/models/tiny-deepseek-v32: index_topk 256, 64 heads,
+DeepSeek-V3.2 (bench/models/tiny-deepseek-v32: index_topk 256, 64 heads,
 max_position_embeddings 8192; KV block size 64, the only one FLASHMLA_SPARSE and the V3.2
 indexer support, checked below). Every interpreted launch is recorded with the key Triton
 would compile for it on a GPU (``native_specialize_impl`` per argument: pointer dtype and
@@ -27,14 +27,13 @@ too.
 from __future__ import annotations
 
 import itertools
-import json
-import tempfile
-
 import pytest
 
-from conftest import MATRIX, PerRelease, cpu_triton_env, run_py
+from conftest import MATRIX, REPO, PerRelease, cpu_triton_env, marked_json, run_py
+from conftest import plan_steps as steps
+from conftest import release_version as v
 
-CONFIG = "/work/shared/gpu-kit/models/tiny-deepseek-v32/config.json"
+CONFIG = str(REPO / "bench" / "models" / "tiny-deepseek-v32" / "config.json")
 MARK = "KWARM-DSA-RESULT "
 RELEASES = (*MATRIX, "0.33.0")
 TABLE_WIDTH = 128  # cdiv(8192, 64): the real block-table width of both KV-cache groups
@@ -358,32 +357,16 @@ print("KWARM-DSA-RESULT " + json.dumps(OUT, default=repr))
 
 
 SCENARIOS = PerRelease(lambda release: _scenario(release))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _prefetch(request):
-    yield from SCENARIOS.prefetch(request)
+_prefetch = SCENARIOS.autouse_fixture()
 
 
 scenario = SCENARIOS.result  # the results for one release (one subprocess per release per session)
 
 
 def _scenario(release: str) -> tuple[bool, object]:
-    # cwd outside the repository: the installed kwarm_ext (with .kernels), not the source tree
     proc = run_py(f"CONFIG = {CONFIG!r}\nTABLE_ROWS = {TABLE_ROWS!r}\n" + SCENARIO, env=cpu_triton_env(),
-                  release=release, timeout=240, cwd=tempfile.gettempdir())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode or not lines:
-        return False, f"scenario failed on {release}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return True, json.loads(lines[-1][len(MARK):])
-
-
-def v(release: str) -> tuple:
-    return tuple(int(x) for x in release.split(".")[:2])
-
-
-def steps(result: dict, plan: str) -> dict:
-    return {s["name"]: s for s in result["plans"][plan]}
+                  release=release, timeout=240)
+    return marked_json(proc, MARK)
 
 
 def keys(launches) -> set:

@@ -19,14 +19,11 @@ What cannot exist on CPU is stood in for, and only that:
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, result_of, run_py
+from conftest import MATRIX, run_cases
 
-NEUTRAL_CWD = tempfile.gettempdir()
 
 SCENARIO = r'''
 import inspect, json, logging, os, sys
@@ -145,9 +142,7 @@ CASES = {
 
 @functools.lru_cache(maxsize=None)
 def _batch(release: str) -> dict:
-    proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(CASES))), release=release,
-                  env=cpu_triton_env(KWARM_WARMUPS="fused_moe"), timeout=240, cwd=NEUTRAL_CWD)
-    return result_of(proc)
+    return run_cases(SCENARIO, CASES, release)
 
 
 @pytest.fixture(scope="module", params=MATRIX)

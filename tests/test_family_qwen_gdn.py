@@ -21,16 +21,12 @@ heads k=2 v=4, head dims 128, conv kernel 4). What is real and what stands in:
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, result_of, run_py
+from conftest import MATRIX, REPO, cpu_triton_env, result_of, run_cases, run_py
 
 # Outside the checkout: `kwarm_ext.kernels` exists only in the installed copy.
-NEUTRAL_CWD = tempfile.gettempdir()
-
 SCENARIO = r'''
 import inspect, json, sys, types
 import torch
@@ -40,7 +36,7 @@ from kwarm_ext.vllm_compat import resolve
 import vllm.model_executor.layers.mamba.ops.causal_conv1d as conv_mod
 
 CASES = json.loads(__ARGS__)
-CONFIG = json.load(open("/work/shared/gpu-kit/models/tiny-qwen3-next/config.json"))
+CONFIG = json.load(open(__CONFIG__))
 SMS = 132
 
 LayerCls = resolve("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention",
@@ -180,6 +176,7 @@ def run_case(ARGS):
 
 print("RESULT " + json.dumps({name: run_case(args) for name, args in CASES.items()}))
 '''
+SCENARIO = SCENARIO.replace("__CONFIG__", repr(str(REPO / "bench" / "models" / "tiny-qwen3-next" / "config.json")))
 
 BASE = dict(model_type="qwen3_next", tp=1, num_spec=0, eager=True, cudagraph_mode="NONE", max_tokens=64,
             pooling=False, bound=True, norm_native=False, forced=False)
@@ -199,10 +196,8 @@ CASES = {
 
 @functools.lru_cache(maxsize=None)
 def _batch(release: str) -> dict:
-    cases = {name: dict(BASE, **overrides) for name, overrides in CASES[release].items()}
-    proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(cases))), release=release,
-                  env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
-    return result_of(proc)
+    return run_cases(SCENARIO, {name: dict(BASE, **overrides) for name, overrides in CASES[release].items()},
+                     release)
 
 
 def _run(release: str, case: str) -> dict:
@@ -417,6 +412,6 @@ up = __import__("vllm.model_executor.warmup.qwen_triton_warmup", fromlist=["x"])
 print("RESULT " + json.dumps([fam.has_mixed_split_path(), fam.param_mode(kernel, "seqlen"),
       fam.param_mode(kernel, "stride_x_token"), "qwen4_exp" in up._QWEN_MODEL_TYPES,
       hasattr(up, "_warm_gated_rms_norm_kernel"), [c.__name__ for c in layer.__mro__][:2]]))
-""", release="0.33.0", env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
+""", release="0.33.0", env=cpu_triton_env(), timeout=240)
     assert result_of(proc) == [True, "absent", "class", True, True,
                                          ["QwenGatedDeltaNetAttention", "GatedDeltaNetAttention"]]

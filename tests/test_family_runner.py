@@ -12,16 +12,11 @@ real objects at the attributes vLLM's runner has them (``input_batch.block_table
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, result_of, run_py
+from conftest import MATRIX, cpu_triton_env, result_of, run_cases, run_py
 
-# Outside the checkout: `kwarm_ext.kernels` exists only in the installed copy (kernels/ ships
-# under that name), so the source tree must not shadow it on sys.path.
-NEUTRAL_CWD = tempfile.gettempdir()
 
 SCENARIO = r'''
 import inspect, json, sys, types
@@ -150,10 +145,8 @@ CASES = {
 
 @functools.lru_cache(maxsize=None)
 def _batch(release: str) -> dict:
-    cases = {name: dict(QWEN_HYBRID, **overrides) for name, overrides in CASES[release].items()}
-    proc = run_py(SCENARIO.replace("__ARGS__", repr(json.dumps(cases))), release=release,
-                  env=cpu_triton_env(), timeout=240, cwd=NEUTRAL_CWD)
-    return result_of(proc)
+    return run_cases(SCENARIO, {name: dict(QWEN_HYBRID, **overrides) for name, overrides in CASES[release].items()},
+                     release)
 
 
 def _run(release: str, case: str) -> dict:
@@ -290,6 +283,5 @@ bind(KVBlockZeroer.zero_block_ids, None, [0])
 bind(KVBlockZeroer.warmup, None, 8)
 print("RESULT " + json.dumps([fam.param_mode(slot, "num_tokens"), fam.param_mode(zero, "n_blocks"),
       hasattr(resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel"), "register_warmup")]))
-''', release="0.33.0", env=cpu_triton_env(), timeout=240,
-                  cwd=NEUTRAL_CWD)
+''', release="0.33.0", env=cpu_triton_env(), timeout=240)
     assert result_of(proc) == ["dns", "absent", True]
