@@ -432,7 +432,7 @@ def default_out(model: str, vllm_version: str, kwarm: str, label: str) -> Path:
 
 # ------------------------------------------------------------------------ profiling
 
-PROFILE_ROWS = 30  # rows per ordering stored in the result
+PROFILE_ROWS = 50  # rows per ordering stored in the result
 PROFILE_PRINTED = 15  # cumtime rows printed after the request line
 PROFILE_KEYS = {"tottime": 2, "cumtime": 3}  # index in a pstats entry (cc, nc, tt, ct, callers)
 REPO_PREFIX = str(HERE.parent).replace(os.sep, "/") + "/"

@@ -22,7 +22,8 @@
 #   MODES="off on"        kwarm modes
 #   WARM=1                0: cold runs only
 #   LEARN=1               kwarm-on cold runs learn a manifest; a third run replays it
-#                         on empty caches (0: no learning, no replay run)
+#                         on empty caches (0: no learning, no replay run; all: KWARM_LEARN=all,
+#                         the manifest also holds what kwarm's own warmup compiled)
 #   REPLAY_FROM=""        a folder of manifests learned earlier, <model>-vllm$VER.manifest.json
 #                         (relative to the current folder or to the repository root): a
 #                         kwarm-on pipeline whose model has one there does not learn; it is
@@ -31,7 +32,8 @@
 #   REPLAY_ONLY=0         1 (with REPLAY_FROM): kwarm-on pipelines that have such a manifest
 #                         run the replay run only (no cold run, hence no warm run); kwarm-off
 #                         pipelines run as usual
-#   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores
+#   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores (0: no; a
+#                         pattern such as "*qwen*": those manifests only)
 #   SCENARIO=default      default | smoke
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
 #   COLD_TIMEOUT=360      cap of one cold run (s)
@@ -44,6 +46,8 @@
 #   PROFILE=""            e.g. "0,1": every run gets --profile $PROFILE (those requests under
 #                         cProfile: top functions in the result JSON, raw *.req<i>.prof files;
 #                         their wall time includes the profiler's overhead)
+#   PROFILE_RUNS="*"      which runs PROFILE applies to: a pattern on the run's tag, e.g.
+#                         "*-replay" (the other runs stay unprofiled)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
 #   OUT                   set by the device tool; else bench/results
 #   WORK=/tmp/kwarm-bench caches (not returned)
@@ -69,6 +73,7 @@ KV_BYTES=${KV_BYTES:-4G}
 REPLAY_ONLY=${REPLAY_ONLY:-0}
 SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
+PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
 # packed into $OUT/bench-results.tgz at the end (table.md is also copied beside it).
@@ -151,7 +156,8 @@ run_one() {
   mkdir -p "$cache"
   local t0 rc extra=()
   [ "$SYNC" = 1 ] && extra+=(--sync-lock "$WORK/engines.lock")
-  [ -n "$PROFILE" ] && extra+=(--profile "$PROFILE")
+  # shellcheck disable=SC2053  # a pattern
+  [ -n "$PROFILE" ] && [[ $tag == $PROFILE_RUNS ]] && extra+=(--profile "$PROFILE")
   t0=$(date +%s)
   env "VLLM_CACHE_ROOT=$cache/vllm" "TORCHINDUCTOR_CACHE_DIR=$cache/inductor" "${envs[@]}" \
     timeout -k 15 "$limit" "$PY" bench/engine_bench.py "$@" "${extra[@]}" --triton-cache "$cache/triton" \
@@ -189,8 +195,8 @@ pipeline() {
     on=("KWARM_REPORT=$OUT/$tag-cold.kwarm-report.json" "KWARM_MANIFEST=$manifest")
     if [ "$given" = 1 ]; then
       on+=("KWARM_WARMUPS=-replay")  # a cold run on families only; the replay run replays
-    elif [ "$LEARN" = 1 ]; then
-      learn=("KWARM_LEARN=1" "KWARM_LEARN_INTERVAL=15")
+    elif [ "$LEARN" != 0 ]; then
+      learn=("KWARM_LEARN=$( [ "$LEARN" = all ] && echo all || echo 1)" "KWARM_LEARN_INTERVAL=15")
     fi
   fi
   if [ "$given" = 1 ] && [ "$REPLAY_ONLY" = 1 ]; then
@@ -200,7 +206,7 @@ pipeline() {
   fi
   run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
-  if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" = 1 ]; } && [ -f "$manifest" ]; then
+  if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
     run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
@@ -212,7 +218,7 @@ pipeline() {
 }
 
 echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, sync=$SYNC," \
-  "profile=[${PROFILE}], replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
+  "learn=$LEARN, profile=[${PROFILE}] on $PROFILE_RUNS, replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
 for model in $MODELS; do
   for mode in $MODES; do
     pipeline "$model" "$mode" &
@@ -223,8 +229,10 @@ wait
 
 # Replay cost of each learned manifest, one thread vs all cores, once the engines are done
 # (alone on the host, so that the two timings compare).
-if [ "$REPLAY_BENCH" = 1 ]; then
+if [ "$REPLAY_BENCH" != 0 ]; then
   for manifest in "$OUT"/*.manifest.json; do
+    # shellcheck disable=SC2053  # a pattern
+    [ "$REPLAY_BENCH" = 1 ] || [[ ${manifest##*/} == $REPLAY_BENCH ]] || continue
     left=$(( DEADLINE - $(date +%s) - 30 ))
     if [ "$left" -lt 90 ]; then echo "replay bench: skipped ${manifest##*/} (${left}s left)" | tee -a "$OUT/status.txt"; continue; fi
     name=$(basename "$manifest" .manifest.json)

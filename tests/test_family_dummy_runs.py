@@ -215,20 +215,26 @@ def test_failing_dummy_run_is_one_warning(release):
 
 
 def test_eager_attention_after_fused_moe(release):
-    """An all-prefill then a mixed step at the smallest eager size (33), with attention
-    metadata, after the fused-MoE dummy runs (which have none)."""
+    """All-prefill steps at the smallest eager size (33), each power of two above it and the
+    largest (8192), then a mixed step at 33, with attention metadata, after the fused-MoE
+    dummy runs (which have none)."""
     result = _batch(release)["attention"]
     calls = result["calls"]
     moe = [c for c in calls if not c["attention"]]
     attention = [c for c in calls if c["attention"]]
     assert moe and calls[: len(moe)] == moe, "fused_moe runs first"
-    assert [(c["M"], c["mixed"], c["mode"]) for c in attention] == [(33, False, "NONE"), (33, True, "NONE")]
-    assert [s["status"] for s in result["eager"]["steps"]] == ["ran", "ran"]
+    ladder = [33, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert [(c["M"], c["mixed"], c["mode"]) for c in attention] == \
+        [(m, False, "NONE") for m in ladder] + [(33, True, "NONE")]
+    steps = result["eager"]["steps"]
+    assert [s["status"] for s in steps] == ["ran", "ran"]
+    assert steps[0]["variants"] == [f"prefill {m} tokens" for m in ladder]
 
 
-def test_eager_attention_without_graphs_uses_16_tokens(release):
+def test_eager_attention_without_graphs_starts_at_16_tokens(release):
     result = _batch(release)["attention_no_graphs"]
-    assert [(c["M"], c["attention"], c["mixed"]) for c in result["calls"]] == [(16, True, False), (16, True, True)]
+    assert [(c["M"], c["attention"], c["mixed"]) for c in result["calls"]] == \
+        [(m, True, False) for m in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)] + [(16, True, True)]
 
 
 def test_eager_attention_leaves_flashinfer_to_upstream(release):
