@@ -49,6 +49,10 @@
 #   PROFILE_RUNS="*"      which runs PROFILE applies to: a pattern on the run's tag, e.g.
 #                         "*-replay" (the other runs stay unprofiled)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
+#   LOCK=$WORK/engines.lock  the SYNC lock: give two gpu_run.sh started side by side (each
+#                         with its own WORK and OUT) one LOCK, so that their engines also
+#                         measure one at a time
+#   INSTALL=1             0: kwarm is already installed (by a gpu_run.sh started just before)
 #   OUT                   set by the device tool; else bench/results
 #   WORK=/tmp/kwarm-bench caches (not returned)
 #   PY=python3
@@ -75,12 +79,14 @@ SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
+INSTALL=${INSTALL:-1}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
 # packed into $OUT/bench-results.tgz at the end (table.md is also copied beside it).
 FINAL_OUT=${OUT:-bench/results}
 WORK=${WORK:-/tmp/kwarm-bench}
 OUT=$WORK/out
 PY=${PY:-python3}
+LOCK=${LOCK:-$WORK/engines.lock}
 DEADLINE=$(( $(date +%s) + BUDGET ))
 
 if [ -n "$REPLAY_FROM" ]; then
@@ -128,7 +134,7 @@ install_kwarm() {
   fi
   echo "kwarm: install FAILED"; tail -20 "$log"; return 1
 }
-install_kwarm || exit 1
+if [ "$INSTALL" = 1 ]; then install_kwarm || exit 1; fi
 # From /tmp, so that the installed copy is imported, not this tree's.
 (cd /tmp && "$PY" -c "
 import importlib.metadata as md, kwarm_ext
@@ -155,7 +161,7 @@ run_one() {
   fi
   mkdir -p "$cache"
   local t0 rc extra=()
-  [ "$SYNC" = 1 ] && extra+=(--sync-lock "$WORK/engines.lock")
+  [ "$SYNC" = 1 ] && extra+=(--sync-lock "$LOCK")
   # shellcheck disable=SC2053  # a pattern
   [ -n "$PROFILE" ] && [[ $tag == $PROFILE_RUNS ]] && extra+=(--profile "$PROFILE")
   t0=$(date +%s)

@@ -1,5 +1,5 @@
-"""Warmup family ``eager_attention``: eager prefill steps (a ladder of token counts) and one
-mixed step through the attention layers, with attention metadata, before the first request.
+"""Warmup family ``eager_attention``: one eager prefill step and one mixed step through the
+attention layers, with attention metadata, before the first request.
 
 Why:
     Every dummy forward vLLM runs at startup on the V1 runner (compile sizes, the profile
@@ -21,12 +21,15 @@ Why:
 
 How:
     ``runner._dummy_run(N, cudagraph_runtime_mode=NONE, force_attention=True)`` for an
-    all-prefill batch at a ladder of eager token counts: the smallest (the largest CUDA-graph
-    capture size + 1, or 16 without graphs), every power of two above it, and the largest
-    (``max_num_batched_tokens``), so that the GEMM shapes of a real prefill fall next to
-    shapes already run (cuBLAS loads a kernel on its first use, per shape class). Then one
-    mixed step (``create_mixed_batch=True``: decodes plus one prefill) at the smallest size.
-    Any Triton kernel reached on the way compiles here rather than on a request.
+    all-prefill batch, then the same with ``create_mixed_batch=True`` (decodes plus one
+    prefill), where N is the smallest token count that runs eagerly (the largest CUDA-graph
+    capture size + 1, or 16 without graphs), as a real prefill of that size would. Any Triton
+    kernel reached on the way compiles here rather than on a request.
+
+    One size only, on purpose: a ladder of larger sizes (up to ``max_num_batched_tokens``)
+    was tried on the GPU host (vLLM 0.24.0) and ended in an illegal memory access, for both
+    tiny models: vLLM runs ``force_attention`` dummy steps only at CUDA-graph capture sizes
+    and 16 tokens, and a CUDA fault cannot be caught.
 
     Safety: the calls are vLLM's own warmup path (its FlashInfer warmup makes the same call);
     the dummy requests' block-table rows are empty, so their slots point at the null block
@@ -67,41 +70,29 @@ def applies(view) -> str | None:
 
 def plan(view, forced) -> list:
     first, last = eager_range(view)
-    first = min(first if first > 1 else _DEFAULT_TOKENS, last)
-    if first < 2:
+    tokens = min(first if first > 1 else _DEFAULT_TOKENS, last)
+    if tokens < 2:
         return [Step("prefill", KERNEL, skip=f"no eager prefill size (max tokens {last})")]
     if not forced and _upstream_covers(view):
         return [Step("prefill", KERNEL, skip="covered by upstream kernel_warmup (FlashInfer attention)")]
     steps = []
-    for name, extra, sizes in (("prefill", {}, ladder(first, last)),
-                               ("mixed", {"create_mixed_batch": True}, [first])):
+    for name, extra in (("prefill", {}), ("mixed", {"create_mixed_batch": True})):
         try:
             run = dummy_runner(view.runner, force_attention=True, **extra)
         except Missing as exc:
             steps.append(Step(name, KERNEL, skip=str(exc)))
             continue
-        steps.append(Step(name, KERNEL, run=_labelled(run, sizes, name)))
+        steps.append(Step(name, KERNEL, run=_labelled(run, tokens, name)))
     return steps
 
 
-def ladder(first: int, last: int) -> list:
-    """first, the powers of two between, and last: [33, 64, 128, ..., 8192]."""
-    sizes = [first]
-    power = 1 << first.bit_length()
-    while power < last:
-        sizes.append(power)
-        power <<= 1
-    return sizes + [last] if last > first else sizes
-
-
-def _labelled(run, sizes: list, name: str):
+def _labelled(run, tokens: int, name: str):
     def step():
         import torch
 
         with torch.inference_mode():
-            for tokens in sizes:
-                run(tokens)
-        return [f"{name} {tokens} tokens" for tokens in sizes]
+            run(tokens)
+        return [f"{name} {tokens} tokens"]
 
     return step
 

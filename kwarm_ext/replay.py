@@ -14,9 +14,9 @@ How (Triton's own mechanisms, through kwarm_ext/triton_compat.py):
   3. ``preload`` every entry with the launch options of its key, in parallel
      (``AsyncCompileMode`` on a thread pool sized to this rank's share of the cores);
   4. seed the autotuners' caches with the recorded choices (no benchmarking at first launch);
-  5. on a GPU, ``_init_handles`` each kernel (launcher and binary load) and launch one
-     no-op kernel (the binder's one-time imports), so that the first real launch costs
-     what the second does.
+  5. on a GPU, ``_init_handles`` each kernel (launcher and binary load, on as many threads)
+     and launch one no-op kernel (the binder's one-time imports), so that the first real
+     launch costs what the second does.
 
 Upstream: vLLM has no record/replay; its JIT-warmup registry (0.27+) is per kernel and
 hand-written. Remove when Triton or vLLM persist and reload the in-memory kernel caches.
@@ -319,13 +319,14 @@ def seed_autotuners(state: ReplayState) -> list:
 
 
 def load_handles(state: ReplayState) -> list:
-    """Step 5 (GPU only): build each kernel's launcher and load its binary now."""
+    """Step 5 (GPU only): build each kernel's launcher and load its binary now, in parallel."""
+    labels = [label for label, _ in state.compiled]
+    errors = triton_compat.init_handles_each([kernel for _, kernel in state.compiled], state.threads)
     loaded = []
-    for label, kernel in state.compiled:
-        try:
-            triton_compat.init_handles(kernel)
+    for label, exc in zip(labels, errors):
+        if exc is None:
             loaded.append(label)
-        except Exception as exc:  # e.g. OutOfResources: its first launch would raise the same
+        else:  # e.g. OutOfResources: its first launch would raise the same
             logger.warning("kwarm: replay could not load %s: %s: %s", label, type(exc).__name__, exc)
     state.loaded = len(loaded)
     return loaded

@@ -484,6 +484,45 @@ def init_handles(kernel) -> None:
     kernel._init_handles()
 
 
+def init_handles_each(kernels: list, threads: int) -> list:
+    """:func:`init_handles` for every kernel on a thread pool: per kernel, None or the exception.
+
+    Most of the cost is the launcher build (a gcc run per signature on 3.4-3.6) and the binary
+    load, which release the GIL. ``_init_handles`` loads onto the thread's current device,
+    and a new thread's is device 0: each pool thread first takes the caller's device."""
+    device = _current_cuda_device()
+
+    def on_device():
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+
+    def attempt(kernel):
+        try:
+            init_handles(kernel)
+            return None
+        except Exception as exc:
+            return exc
+
+    if threads <= 1 or len(kernels) <= 1:
+        return [attempt(k) for k in kernels]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(kernels)), thread_name_prefix="kwarm-load",
+                            initializer=on_device) as pool:
+        return list(pool.map(attempt, kernels))
+
+
+def _current_cuda_device():
+    import torch
+
+    try:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
 def warm_binder():
     """Compile kwarm's no-op kernel through ``warmup``: its binder runs Triton's one-time
     specialization imports (85-190 ms measured on an H200) now instead of in the first real

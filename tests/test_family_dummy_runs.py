@@ -106,7 +106,8 @@ def run_case(case):
     logging.getLogger("kwarm").removeHandler(handler)
     fam = next(f for f in report["families"] if f["name"] == "fused_moe")
     eager = next(f for f in report["families"] if f["name"] == "eager_attention")
-    return {"family": fam, "eager": eager, "calls": runner.calls, "logs": logs,
+    gemm = next(f for f in report["families"] if f["name"] == "eager_gemm")
+    return {"family": fam, "eager": eager, "gemm": gemm, "calls": runner.calls, "logs": logs,
             "restored": all(getattr(m, "try_get_optimal_moe_config", REAL) is REAL
                             for n, m in list(sys.modules.items()) if n.startswith("vllm.model_executor.layers.fused_moe")),
             "eager_range": list(family.eager_range(SimpleNamespace(
@@ -136,7 +137,9 @@ CASES = {
     "attention": dict(TINY, warmups="fused_moe,eager_attention"),
     "attention_no_graphs": dict(TINY, warmups="eager_attention", mode="NONE"),
     # not named (naming a family forces it past upstream's coverage)
-    "attention_flashinfer": dict(TINY, warmups="*,-replay,-fused_moe,-frontend", backend="flashinfer"),
+    "attention_flashinfer": dict(TINY, warmups="*,-replay,-fused_moe,-eager_gemm,-frontend", backend="flashinfer"),
+    "gemm": dict(TINY, warmups="*,-replay,-frontend", max_tokens=16384),
+    "gemm_eager_mode": dict(TINY, warmups="eager_gemm", enforce_eager=True, max_tokens=64),
 }
 
 
@@ -215,29 +218,46 @@ def test_failing_dummy_run_is_one_warning(release):
 
 
 def test_eager_attention_after_fused_moe(release):
-    """All-prefill steps at the smallest eager size (33), each power of two above it and the
-    largest (8192), then a mixed step at 33, with attention metadata, after the fused-MoE
-    dummy runs (which have none)."""
+    """An all-prefill then a mixed step at the smallest eager size (33), with attention
+    metadata, after the fused-MoE dummy runs (which have none)."""
     result = _batch(release)["attention"]
     calls = result["calls"]
     moe = [c for c in calls if not c["attention"]]
     attention = [c for c in calls if c["attention"]]
     assert moe and calls[: len(moe)] == moe, "fused_moe runs first"
-    ladder = [33, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-    assert [(c["M"], c["mixed"], c["mode"]) for c in attention] == \
-        [(m, False, "NONE") for m in ladder] + [(33, True, "NONE")]
-    steps = result["eager"]["steps"]
-    assert [s["status"] for s in steps] == ["ran", "ran"]
-    assert steps[0]["variants"] == [f"prefill {m} tokens" for m in ladder]
+    assert [(c["M"], c["mixed"], c["mode"]) for c in attention] == [(33, False, "NONE"), (33, True, "NONE")]
+    assert [s["status"] for s in result["eager"]["steps"]] == ["ran", "ran"]
 
 
-def test_eager_attention_without_graphs_starts_at_16_tokens(release):
+def test_eager_attention_without_graphs_uses_16_tokens(release):
     result = _batch(release)["attention_no_graphs"]
-    assert [(c["M"], c["attention"], c["mixed"]) for c in result["calls"]] == \
-        [(m, True, False) for m in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)] + [(16, True, True)]
+    assert [(c["M"], c["attention"], c["mixed"]) for c in result["calls"]] == [(16, True, False), (16, True, True)]
 
 
 def test_eager_attention_leaves_flashinfer_to_upstream(release):
     result = _batch(release)["attention_flashinfer"]
     assert result["calls"] == []
     assert result["eager"]["steps"][0]["reason"] == "covered by upstream kernel_warmup (FlashInfer attention)"
+
+
+def test_eager_gemm_ladder_between_fused_moe_and_attention(release):
+    """Plain eager forwards (no attention metadata, no CUDA graph) at the smallest eager size,
+    every 2**k and 1.5 * 2**k above it and the largest, after fused_moe's token counts and
+    before the attention steps; in the default selection of families."""
+    result = _batch(release)["gemm"]
+    calls = result["calls"]
+    ladder = [33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+              8192, 12288, 16384]
+    moe = len(result["family"]["details"]["token_counts"])
+    gemm = calls[moe: moe + len(ladder)]
+    assert [(c["M"], c["attention"], c["mode"], c["skip_eplb"]) for c in gemm] == \
+        [(m, False, "NONE", True) for m in ladder]
+    assert all(c["attention"] for c in calls[moe + len(ladder):]), "eager_attention comes last"
+    step = result["gemm"]["steps"][0]
+    assert (result["gemm"]["status"], step["name"], step["status"]) == ("ran", "ladder", "ran")
+    assert step["variants"] == [f"19 token counts: {', '.join(map(str, ladder))}"]
+
+
+def test_eager_gemm_in_eager_mode_starts_at_one_token(release):
+    result = _batch(release)["gemm_eager_mode"]
+    assert _ms(result) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
