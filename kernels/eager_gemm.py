@@ -1,77 +1,132 @@
-"""Warmup family ``eager_gemm``: plain eager forwards at a ladder of token counts, so that the
-GEMM kernels a prefill of any size runs are loaded before the first request.
+"""Warmup family ``eager_gemm``: the cuBLAS GEMMs of the model's unquantized linear layers
+and of its LM head, at the token counts that run outside CUDA graphs, before the first request.
 
 Why:
     A prefill longer than the largest CUDA-graph capture size runs the compiled model's
-    general-shape code, whose dense layers call cuBLAS (Inductor's ``extern_kernels.mm``).
-    cuBLAS picks a kernel per shape class and the driver loads each kernel on its first use
-    (lazy module loading), which costs milliseconds per kernel. Profiled on the GPU host
-    (cProfile of request 0 against its repeat, vLLM 0.24.0, zero Triton compiles, warm
-    caches): a 200-token prefill paid 18.6 ms in 12 first ``torch.mm`` calls on the tiny
-    DeepSeek-V3.2 (0.2 ms in the repeat) and 7.9 ms on the tiny Qwen3-Next, the largest
-    part of what separated request 0 from request 1. Startup's own eager forwards (the
-    profile run at the largest size, ``fused_moe``'s token counts) leave whole ranges of
-    sizes unvisited.
+    general-shape code, whose linear layers call cuBLAS (``extern_kernels.mm`` /
+    ``addmm``); the LM head's GEMM runs eagerly at every step, at the number of sampled
+    rows. The first GEMM at a new token count pays cuBLAS's choice of a kernel for that
+    shape, and, when the choice is a kernel not used before, the driver loading it (lazy
+    module loading). Measured on the GPU host (H200, torch 2.11, ``bench/gemm_first_call.py``):
+    about 0.2 ms per GEMM shape at a new token count, and 2-3.5 ms when it picks a kernel
+    not loaded yet, which happens every few dozen token counts; a repeat costs 0.02 ms. A
+    neighbour (M+1) of a token count already run paid only the 0.2 ms. In the engine
+    benchmark (cProfile of request 0 against its repeat, vLLM 0.24.0, no Triton compile),
+    a 200-token prefill spent 18.6 ms in 12 first ``torch.mm`` calls on the tiny
+    DeepSeek-V3.2 (0.2 ms in the repeat) and 7.9 ms on the tiny Qwen3-Next: the largest
+    part of what still separated request 0 from request 1. Dummy forwards do not help
+    enough: 19 of them at a ladder of sizes left request 0 as slow (measured).
 
 How:
-    ``runner._dummy_run(N, cudagraph_runtime_mode=NONE)`` (no attention metadata: the same
-    call as vLLM's profile run and the ``fused_moe`` family) for N on a ladder over the
-    eager range: the smallest eager size, every power of two and 1.5x power of two above
-    it, and the largest (``max_num_batched_tokens``). 19 forwards for the tiny models
-    (33..16384 tokens). Any Triton kernel reached on the way compiles here too.
+    One layer per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
+    ``LinearBase`` layers whose ``quant_method`` is ``UnquantizedLinearMethod``, called the way
+    the layer's ``forward`` calls it, ``quant_method.apply(layer, x, bias)`` (vLLM's
+    ``dispatch_unquantized_gemm``: ``F.linear`` on CUDA), on a zero input of M rows, for M
+    = every token count up to 64 and then every 8th, over the eager range (smallest eager
+    size to ``max_num_batched_tokens``). The LM head (``ParallelLMHead`` with
+    ``UnquantizedEmbeddingMethod``) the same way at 1..``max_num_seqs`` rows. Inputs are
+    fresh buffers and outputs are dropped: no state of the engine is read or written
+    besides the weights, which are only read. Quantized layers are not warmed (their GEMMs
+    are other libraries' kernels).
 
-Upstream: no vLLM release warms cuBLAS shapes outside CUDA-graph capture sizes (0.20-0.33).
-The V2 runner (0.29+) is not warmed here: its ``warmup_kernels`` runs real steps.
+Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 
 Remove when:
-    vLLM warms the eager forward at more than the profile run's size, or loads its GEMM
-    kernels eagerly.
+    vLLM warms its eager GEMM shapes, or cuBLAS stops choosing and loading per shape.
 """
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import dummy_runner, eager_range
-from kwarm_ext.vllm_compat import Missing
+from kwarm_ext.kernels.runner import eager_range
+from kwarm_ext.vllm_compat import Missing, resolve
 
 NAME = "eager_gemm"
-KERNEL = "cuBLAS GEMMs of the eager forward"
+KERNEL = "cuBLAS GEMMs"
+_LINEAR = ("vllm.model_executor.layers.linear:LinearBase",)
+_UNQUANTIZED = ("vllm.model_executor.layers.linear:UnquantizedLinearMethod",)
+_LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",)
+_LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
+EVERY_UP_TO = 64  # every token count up to this one, then every STRIDE-th
+STRIDE = 8
 
 
 def applies(view) -> str | None:
     if view.runner is None:
         return "no model runner"
-    if view.runner_kind == "V2":
-        return "V2 model runner: its warmup_kernels runs real prefill and decode steps"
-    if not callable(getattr(view.runner, "_dummy_run", None)):
-        return "runner has no _dummy_run"
+    if model_of(view.runner) is None:
+        return "runner has no model"
     return None
 
 
 def plan(view, forced) -> list:
+    model = model_of(view.runner)
     first, last = eager_range(view)
-    if first > last:
-        return [Step("ladder", KERNEL, skip=f"no eager token counts ({first}..{last})")]
+    steps = []
+    for name, classes, method, sizes in (
+            ("linear", _LINEAR, _UNQUANTIZED, token_counts(first, last)),
+            ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, token_counts(1, view.max_num_reqs or 0))):
+        try:
+            layers = gemm_layers(model, resolve(*classes), resolve(*method))
+        except Missing as exc:
+            steps.append(Step(name, KERNEL, skip=str(exc)))
+            continue
+        if not layers:
+            steps.append(Step(name, KERNEL, skip=f"no unquantized {name} layers"))
+        elif not sizes:
+            steps.append(Step(name, KERNEL, skip="no token counts to warm"))
+        else:
+            steps.append(Step(name, KERNEL, run=_warm(layers, sizes)))
+    return steps
+
+
+def model_of(runner):
+    """The model without its CUDA-graph wrapper (``get_model``), else ``runner.model``."""
+    get_model = getattr(runner, "get_model", None)
     try:
-        run = dummy_runner(view.runner)
-    except Missing as exc:
-        return [Step("ladder", KERNEL, skip=str(exc))]
-    sizes = ladder(first, last)
-    return [Step("ladder", KERNEL, run=lambda: _forward_at(run, sizes))]
+        model = get_model() if callable(get_model) else getattr(runner, "model", None)
+    except Exception:  # not loaded yet
+        model = None
+    return model if callable(getattr(model, "modules", None)) else None
 
 
-def ladder(first: int, last: int) -> list:
-    """first, every 2**k and 3 * 2**(k-1) between, and last: [33, 48, 64, 96, ..., 16384]."""
-    sizes, power = [first], 1
-    while power < last:
-        sizes.extend(n for n in (power, power + power // 2) if first < n < last)
-        power <<= 1
-    return sorted(set(sizes)) + ([last] if last > first else [])
+def token_counts(first: int, last: int) -> list:
+    """Every count from `first` up to EVERY_UP_TO, then every STRIDE-th, and `last`."""
+    if last < first or last < 1:
+        return []
+    first = max(first, 1)
+    sizes = list(range(first, min(last, EVERY_UP_TO) + 1))
+    start = max(first, sizes[-1] + STRIDE if sizes else first)
+    sizes += range(start, last + 1, STRIDE)
+    return sizes if sizes[-1] == last else sizes + [last]
 
 
-def _forward_at(run, sizes: list) -> list:
-    import torch
+def gemm_layers(model, layer_cls, method_cls) -> list:
+    """One (name, layer, bias) per GEMM shape among `model`'s layers of `layer_cls` whose
+    quant method is `method_cls`."""
+    seen = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, layer_cls) or not isinstance(getattr(layer, "quant_method", None), method_cls):
+            continue
+        weight = getattr(layer, "weight", None)
+        if weight is None or getattr(weight, "dim", lambda: 0)() != 2:
+            continue
+        bias = None if getattr(layer, "skip_bias_add", False) else getattr(layer, "bias", None)
+        key = (tuple(weight.shape), tuple(weight.stride()), str(weight.dtype), str(weight.device), bias is not None)
+        seen.setdefault(key, (name, layer, bias))
+    return list(seen.values())
 
-    with torch.inference_mode():
-        for tokens in sizes:
-            run(tokens)
-    return [f"{len(sizes)} token counts: {', '.join(map(str, sizes))}"]
+
+def _warm(layers: list, sizes: list):
+    def step():
+        import torch
+
+        with torch.inference_mode():
+            for _, layer, bias in layers:
+                weight = layer.weight
+                rows = torch.zeros((sizes[-1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+                for m in sizes:
+                    layer.quant_method.apply(layer, rows[:m], bias)
+        return [f"{name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
+                for name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
+
+    return step

@@ -62,8 +62,8 @@ FAMILIES = {
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs"),
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
-               "plain eager dummy forwards at a ladder of token counts: the first use of the "
-               "cuBLAS GEMM kernels a prefill of any size runs, before serving"),
+               "cuBLAS GEMMs of the unquantized linear layers at every eager token count (every "
+               "8th above 64) and of the LM head at 1..max_num_seqs rows, before serving"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),

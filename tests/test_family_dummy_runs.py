@@ -106,8 +106,7 @@ def run_case(case):
     logging.getLogger("kwarm").removeHandler(handler)
     fam = next(f for f in report["families"] if f["name"] == "fused_moe")
     eager = next(f for f in report["families"] if f["name"] == "eager_attention")
-    gemm = next(f for f in report["families"] if f["name"] == "eager_gemm")
-    return {"family": fam, "eager": eager, "gemm": gemm, "calls": runner.calls, "logs": logs,
+    return {"family": fam, "eager": eager, "calls": runner.calls, "logs": logs,
             "restored": all(getattr(m, "try_get_optimal_moe_config", REAL) is REAL
                             for n, m in list(sys.modules.items()) if n.startswith("vllm.model_executor.layers.fused_moe")),
             "eager_range": list(family.eager_range(SimpleNamespace(
@@ -137,9 +136,7 @@ CASES = {
     "attention": dict(TINY, warmups="fused_moe,eager_attention"),
     "attention_no_graphs": dict(TINY, warmups="eager_attention", mode="NONE"),
     # not named (naming a family forces it past upstream's coverage)
-    "attention_flashinfer": dict(TINY, warmups="*,-replay,-fused_moe,-eager_gemm,-frontend", backend="flashinfer"),
-    "gemm": dict(TINY, warmups="*,-replay,-frontend", max_tokens=16384),
-    "gemm_eager_mode": dict(TINY, warmups="eager_gemm", enforce_eager=True, max_tokens=64),
+    "attention_flashinfer": dict(TINY, warmups="*,-replay,-fused_moe,-frontend", backend="flashinfer"),
 }
 
 
@@ -238,26 +235,3 @@ def test_eager_attention_leaves_flashinfer_to_upstream(release):
     result = _batch(release)["attention_flashinfer"]
     assert result["calls"] == []
     assert result["eager"]["steps"][0]["reason"] == "covered by upstream kernel_warmup (FlashInfer attention)"
-
-
-def test_eager_gemm_ladder_between_fused_moe_and_attention(release):
-    """Plain eager forwards (no attention metadata, no CUDA graph) at the smallest eager size,
-    every 2**k and 1.5 * 2**k above it and the largest, after fused_moe's token counts and
-    before the attention steps; in the default selection of families."""
-    result = _batch(release)["gemm"]
-    calls = result["calls"]
-    ladder = [33, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
-              8192, 12288, 16384]
-    moe = len(result["family"]["details"]["token_counts"])
-    gemm = calls[moe: moe + len(ladder)]
-    assert [(c["M"], c["attention"], c["mode"], c["skip_eplb"]) for c in gemm] == \
-        [(m, False, "NONE", True) for m in ladder]
-    assert all(c["attention"] for c in calls[moe + len(ladder):]), "eager_attention comes last"
-    step = result["gemm"]["steps"][0]
-    assert (result["gemm"]["status"], step["name"], step["status"]) == ("ran", "ladder", "ran")
-    assert step["variants"] == [f"19 token counts: {', '.join(map(str, ladder))}"]
-
-
-def test_eager_gemm_in_eager_mode_starts_at_one_token(release):
-    result = _batch(release)["gemm_eager_mode"]
-    assert _ms(result) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]

@@ -1,0 +1,157 @@
+"""The ``eager_gemm`` family against each release's real linear layers: ``ColumnParallelLinear``,
+``RowParallelLinear`` (with bias), ``ReplicatedLinear`` and ``ParallelLMHead``, built on CPU
+in a one-process gloo group, with their real ``UnquantizedLinearMethod`` /
+``UnquantizedEmbeddingMethod``, through kwarm's whole warmup.
+
+What cannot exist on CPU is stood in for, and only that: the model runner (``GPUModelRunner``
+needs a GPU), a namespace with the attributes the family reads and the real model as
+``get_model()``. The quant methods' ``apply`` is wrapped, calling through, to see which rows
+each GEMM got; what the GPU gains (cuBLAS choosing and loading kernels) is measured by
+``bench/gemm_first_call.py`` and the engine benchmark, not here.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from conftest import MATRIX, run_cases
+
+SCENARIO = r'''
+import json, logging, os, socket
+from types import SimpleNamespace
+
+import torch
+from vllm.config import CUDAGraphMode, DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers import linear, vocab_parallel_embedding as vpe
+
+import kwarm_ext.warmup as warmup
+from kwarm_ext import config
+
+CASES = json.loads(__ARGS__)
+calls = []
+
+
+def spy(cls):
+    real = cls.apply
+
+    def apply(self, layer, x, bias=None):
+        calls.append({"layer": layer.kwarm_name, "M": x.shape[0], "bias": bias is not None,
+                      "grad": torch.is_grad_enabled()})
+        return real(self, layer, x, bias)
+
+    cls.apply = apply
+
+
+spy(linear.UnquantizedLinearMethod)
+spy(vpe.UnquantizedEmbeddingMethod)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        kw = dict(params_dtype=torch.bfloat16)
+        make = {"column": lambda: linear.ColumnParallelLinear(64, 128, bias=False, **kw),
+                "column_twin": lambda: linear.ColumnParallelLinear(64, 128, bias=False, **kw),
+                "row_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, **kw),
+                "row_skip_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, skip_bias_add=True, **kw),
+                "router": lambda: linear.ReplicatedLinear(64, 8, bias=False, **kw),
+                "lm_head": lambda: vpe.ParallelLMHead(1000, 64, **kw)}
+        for name in layers:
+            layer = make[name]()
+            layer.kwarm_name = name
+            setattr(self, name, layer)
+            for param in layer.parameters():
+                torch.nn.init.normal_(param)
+
+
+def run_case(case):
+    calls.clear()
+    model = Model(case["layers"])
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    runner = SimpleNamespace(
+        get_model=lambda: model, max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
+        compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
+                                           max_cudagraph_capture_size=case["capture"],
+                                           static_forward_context={}))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"), enforce_eager=False),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=case["max_tokens"]),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        compilation_config=runner.compilation_config)
+    os.environ["KWARM_WARMUPS"] = "eager_gemm"
+    config.reset()
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("kwarm").addHandler(handler)
+    report = warmup.run(SimpleNamespace(model_runner=runner, vllm_config=vllm_config))
+    logging.getLogger("kwarm").removeHandler(handler)
+    family = next(f for f in report["families"] if f["name"] == "eager_gemm")
+    return {"family": family, "calls": list(calls), "logs": logs,
+            "changed": [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]}
+
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                 local_rank=0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    print("RESULT " + json.dumps({name: run_case(case) for name, case in CASES.items()}))
+'''
+
+GRAPHS = {"mode": "FULL_AND_PIECEWISE", "capture": 32, "max_tokens": 200, "max_num_reqs": 4}
+CASES = {
+    "model": dict(GRAPHS, layers=["column", "column_twin", "row_bias", "row_skip_bias", "router", "lm_head"]),
+    "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"]),
+    "no_linear": dict(GRAPHS, layers=[]),
+}
+# 33..64 one by one, then every 8th up to 200 (the largest batch)
+EAGER = list(range(33, 65)) + list(range(72, 201, 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _batch(release: str) -> dict:
+    return run_cases(SCENARIO, CASES, release)
+
+
+@pytest.fixture(scope="module", params=MATRIX)
+def release(request):
+    return request.param
+
+
+def _ms(result, layer):
+    return [c["M"] for c in result["calls"] if c["layer"] == layer]
+
+
+def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
+    result = _batch(release)["model"]
+    family = result["family"]
+    assert family["status"] == "ran", family
+    steps = {s["name"]: s for s in family["steps"]}
+    assert steps["linear"]["status"] == steps["lm_head"]["status"] == "ran"
+    # column and its twin share a shape: only the first is called; a bias the layer adds
+    # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
+    assert _ms(result, "column") == EAGER and _ms(result, "column_twin") == []
+    assert _ms(result, "row_bias") == EAGER and _ms(result, "row_skip_bias") == EAGER
+    assert {c["bias"] for c in result["calls"] if c["layer"] == "row_bias"} == {True}
+    assert {c["bias"] for c in result["calls"] if c["layer"] == "row_skip_bias"} == {False}
+    assert _ms(result, "router") == EAGER
+    assert _ms(result, "lm_head") == [1, 2, 3, 4], "the LM head at 1..max_num_seqs rows"
+    assert not any(c["grad"] for c in result["calls"]), "under inference mode"
+    assert result["changed"] == [], "weights and biases are only read"
+    assert "M 33..200 (49 counts)" in steps["linear"]["variants"]
+
+
+def test_without_cuda_graphs_from_one_token(release):
+    result = _batch(release)["no_graphs"]
+    assert _ms(result, "router") == list(range(1, 65)) + [70]
+
+
+def test_no_linear_layers_is_a_skip(release):
+    steps = {s["name"]: s for s in _batch(release)["no_linear"]["family"]["steps"]}
+    assert steps["linear"]["status"] == "skipped" and steps["linear"]["reason"] == "no unquantized linear layers"
+    assert steps["lm_head"]["reason"] == "no unquantized lm_head layers"
