@@ -48,6 +48,7 @@ _LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead"
 _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
 EVERY_UP_TO = 64  # every token count up to this one, then every STRIDE-th
 STRIDE = 8
+_details: dict = {}
 
 
 def applies(view) -> str | None:
@@ -59,24 +60,36 @@ def applies(view) -> str | None:
 
 
 def plan(view, forced) -> list:
+    _details.clear()
     model = model_of(view.runner)
     first, last = eager_range(view)
+    device_type = _device_type(view)
     steps = []
     for name, classes, method, sizes in (
             ("linear", _LINEAR, _UNQUANTIZED, token_counts(first, last)),
             ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, token_counts(1, view.max_num_reqs or 0))):
         try:
-            layers = gemm_layers(model, resolve(*classes), resolve(*method))
+            layers = gemm_layers(model, resolve(*classes), resolve(*method), device_type)
         except Missing as exc:
             steps.append(Step(name, KERNEL, skip=str(exc)))
             continue
         if not layers:
-            steps.append(Step(name, KERNEL, skip=f"no unquantized {name} layers"))
+            where = f" on {device_type}" if device_type else ""
+            steps.append(Step(name, KERNEL, skip=f"no unquantized {name} layers{where}"))
         elif not sizes:
             steps.append(Step(name, KERNEL, skip="no token counts to warm"))
         else:
-            steps.append(Step(name, KERNEL, run=_warm(layers, sizes)))
+            steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
     return steps
+
+
+def details() -> dict:
+    """What ran, for the summary line: shapes and token counts per step."""
+    if not _details:
+        return {}
+    parts = [f"{d['shapes']} {name} GEMM shapes x {d['counts']} token counts (M {d['M'][0]}..{d['M'][1]})"
+             for name, d in _details.items()]
+    return {"summary": ", ".join(parts), **_details}
 
 
 def model_of(runner):
@@ -87,6 +100,12 @@ def model_of(runner):
     except Exception:  # not loaded yet
         model = None
     return model if callable(getattr(model, "modules", None)) else None
+
+
+def _device_type(view) -> str | None:
+    """The runner's device type ("cuda"), or None when it has none."""
+    device = getattr(view.runner, "device", None)
+    return getattr(device, "type", None) or (str(device).split(":")[0] if device else None)
 
 
 def token_counts(first: int, last: int) -> list:
@@ -100,9 +119,10 @@ def token_counts(first: int, last: int) -> list:
     return sizes if sizes[-1] == last else sizes + [last]
 
 
-def gemm_layers(model, layer_cls, method_cls) -> list:
+def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) -> list:
     """One (name, layer, bias) per GEMM shape among `model`'s layers of `layer_cls` whose
-    quant method is `method_cls`."""
+    quant method is `method_cls` (and whose weight is on `device_type`, when given: not a
+    weight offloaded to the CPU)."""
     seen = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, layer_cls) or not isinstance(getattr(layer, "quant_method", None), method_cls):
@@ -110,13 +130,15 @@ def gemm_layers(model, layer_cls, method_cls) -> list:
         weight = getattr(layer, "weight", None)
         if weight is None or getattr(weight, "dim", lambda: 0)() != 2:
             continue
+        if device_type is not None and weight.device.type != device_type:
+            continue
         bias = None if getattr(layer, "skip_bias_add", False) else getattr(layer, "bias", None)
         key = (tuple(weight.shape), tuple(weight.stride()), str(weight.dtype), str(weight.device), bias is not None)
         seen.setdefault(key, (name, layer, bias))
     return list(seen.values())
 
 
-def _warm(layers: list, sizes: list):
+def _warm(name: str, layers: list, sizes: list):
     def step():
         import torch
 
@@ -126,7 +148,8 @@ def _warm(layers: list, sizes: list):
                 rows = torch.zeros((sizes[-1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
                 for m in sizes:
                     layer.quant_method.apply(layer, rows[:m], bias)
-        return [f"{name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
-                for name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
+        _details[name] = {"shapes": len(layers), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
+        return [f"{layer_name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
+                for layer_name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
 
     return step

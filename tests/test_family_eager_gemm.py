@@ -71,7 +71,7 @@ def run_case(case):
     model = Model(case["layers"])
     before = {n: p.clone() for n, p in model.named_parameters()}
     runner = SimpleNamespace(
-        get_model=lambda: model, max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
+        get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
                                            max_cudagraph_capture_size=case["capture"],
                                            static_forward_context={}))
@@ -108,19 +108,18 @@ CASES = {
     "model": dict(GRAPHS, layers=["column", "column_twin", "row_bias", "row_skip_bias", "router", "lm_head"]),
     "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"]),
     "no_linear": dict(GRAPHS, layers=[]),
+    "offloaded": dict(GRAPHS, layers=["router", "lm_head"], device="cuda:0"),  # the layers stay on CPU
 }
 # 33..64 one by one, then every 8th up to 200 (the largest batch)
 EAGER = list(range(33, 65)) + list(range(72, 201, 8))
 
 
+pytestmark = pytest.mark.parametrize("release", MATRIX)
+
+
 @functools.lru_cache(maxsize=None)
 def _batch(release: str) -> dict:
     return run_cases(SCENARIO, CASES, release)
-
-
-@pytest.fixture(scope="module", params=MATRIX)
-def release(request):
-    return request.param
 
 
 def _ms(result, layer):
@@ -144,6 +143,8 @@ def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "weights and biases are only read"
     assert "M 33..200 (49 counts)" in steps["linear"]["variants"]
+    assert family["details"]["summary"] == ("4 linear GEMM shapes x 49 token counts (M 33..200), "
+                                            "1 lm_head GEMM shapes x 4 token counts (M 1..4)")
 
 
 def test_without_cuda_graphs_from_one_token(release):
@@ -155,3 +156,12 @@ def test_no_linear_layers_is_a_skip(release):
     steps = {s["name"]: s for s in _batch(release)["no_linear"]["family"]["steps"]}
     assert steps["linear"]["status"] == "skipped" and steps["linear"]["reason"] == "no unquantized linear layers"
     assert steps["lm_head"]["reason"] == "no unquantized lm_head layers"
+
+
+def test_weights_off_the_runners_device_are_left_alone(release):
+    """A weight offloaded to the CPU is not warmed on a CUDA runner."""
+    result = _batch(release)["offloaded"]
+    steps = {s["name"]: s for s in result["family"]["steps"]}
+    assert result["calls"] == []
+    assert steps["linear"]["reason"] == "no unquantized linear layers on cuda"
+    assert steps["lm_head"]["reason"] == "no unquantized lm_head layers on cuda"
