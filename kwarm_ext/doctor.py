@@ -121,9 +121,10 @@ def render(r: dict) -> str:
         else:
             lines.append(f"  {name}: {u}")
     lines += ["", "families:"]
+    width = max(map(len, r["families"]), default=0)
     for name, f in r["families"].items():
         state = "forced" if f["forced"] else ("selected" if f["selected"] else "disabled")
-        lines.append(f"  {name:12s} {state:9s} {f['summary']}")
+        lines.append(f"  {name:{width}s} {state:9s} {f['summary']}")
     m = r.get("manifests") or {}
     lines += ["", "learn-and-replay manifests:"]
     if m.get("override"):
