@@ -507,11 +507,14 @@ def init_handles_each(kernels: list, threads: int) -> list:
 
     if threads <= 1 or len(kernels) <= 1:
         return [attempt(k) for k in kernels]
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
 
-    with ThreadPoolExecutor(min(threads, len(kernels)), thread_name_prefix="kwarm-load",
-                            initializer=on_device) as pool:
-        return list(pool.map(attempt, kernels))
+    try:
+        with ThreadPoolExecutor(min(threads, len(kernels)), thread_name_prefix="kwarm-load",
+                                initializer=on_device) as pool:
+            return list(pool.map(attempt, kernels))
+    except BrokenExecutor:  # a thread could not take the device: load here, one by one
+        return [attempt(k) for k in kernels]
 
 
 def _current_cuda_device():

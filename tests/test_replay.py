@@ -239,3 +239,40 @@ def test_vllm_kernels_replay(tmp_path):
     # slot mapping: num_tokens is not specialized (one key); post-conv: L=1 is a constant (two)
     assert last_json(run_py(code, env=env)) == {"recorded": 3}
     assert last_json(run_py(code, env=env)) == {"replayed": 3, "skipped": 0, "compiled": 0}
+
+
+class _Kernel:
+    """Stands in for a CompiledKernel, whose ``_init_handles`` needs a GPU: records the
+    thread that loaded it, and raises when told to."""
+
+    def __init__(self, name, fail=False):
+        self.name, self.fail, self.thread = name, fail, None
+
+    def _init_handles(self):
+        import threading
+
+        self.thread = threading.current_thread().name
+        if self.fail:
+            raise RuntimeError(f"{self.name}: out of resources")
+
+
+def test_load_step_runs_on_threads_and_reports_each_failure():
+    from kwarm_ext import triton_compat
+
+    kernels = [_Kernel(f"k{i}", fail=(i == 2)) for i in range(6)]
+    errors = triton_compat.init_handles_each(kernels, threads=4)
+    assert [type(e).__name__ if e else None for e in errors] == [None, None, "RuntimeError", None, None, None]
+    assert all(k.thread.startswith("kwarm-load") for k in kernels)
+
+
+def test_load_step_falls_back_to_one_thread_when_a_thread_cannot_take_the_device(monkeypatch):
+    """Pool threads take the caller's CUDA device first; where that fails (here for real:
+    torch.cuda.set_device without a driver) every kernel loads in the caller's thread."""
+    import threading
+
+    from kwarm_ext import triton_compat
+
+    monkeypatch.setattr(triton_compat, "_current_cuda_device", lambda: 0)
+    kernels = [_Kernel(f"k{i}") for i in range(3)]
+    assert triton_compat.init_handles_each(kernels, threads=4) == [None, None, None]
+    assert {k.thread for k in kernels} == {threading.current_thread().name}
