@@ -108,9 +108,8 @@ def model_of(runner):
 
 
 def _device_type(view) -> str | None:
-    """The runner's device type ("cuda"), or None when it has none."""
-    device = getattr(view.runner, "device", None)
-    return getattr(device, "type", None) or (str(device).split(":")[0] if device else None)
+    """The runner's device type ("cuda" of the engine view's "cuda:0"), or None."""
+    return view.device.split(":")[0] if view.device else None
 
 
 def token_counts(first: int, last: int) -> list:
@@ -119,8 +118,7 @@ def token_counts(first: int, last: int) -> list:
         return []
     first = max(first, 1)
     sizes = list(range(first, min(last, EVERY_UP_TO) + 1))
-    start = max(first, sizes[-1] + STRIDE if sizes else first)
-    sizes += range(start, last + 1, STRIDE)
+    sizes += range(sizes[-1] + STRIDE if sizes else first, last + 1, STRIDE)
     return sizes if sizes[-1] == last else sizes + [last]
 
 

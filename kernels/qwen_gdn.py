@@ -289,7 +289,7 @@ def _conv_steps(work, tag, upstream, max_tokens) -> list:
     todo, covered = split_by_key(
         counts, lambda t: key(t, s.pitch, conv_output(s, t).stride(0), s.index_stride, s.has_bias), up_keys)
     return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (causal_conv1d_fn)",
-                  lambda: warm_conv_fwd(work, fn, todo))
+                       lambda: warm_conv_fwd(work, fn, todo))
 
 
 def warm_conv_fwd(work, fn, counts) -> list:
@@ -397,7 +397,7 @@ def _post_conv_steps(work, tag, upstream, max_tokens, split_path) -> list:
     todo, covered = split_by_key(
         variants, lambda v: key(v[2], conv_output(s, v[0] + v[2]).stride(0), s.ab_stride, v[1]), up_keys)
     return split_steps(name, kernel_name, todo, covered, "qwen_triton_warmup (fused_post_conv_prep)",
-                  lambda: warm_post_conv(work, fn, todo))
+                       lambda: warm_post_conv(work, fn, todo))
 
 
 def warm_post_conv(work, fn, variants) -> list:
@@ -445,8 +445,8 @@ def _sigmoid_steps(work, tag, upstream) -> list:
                and hasattr(upstream, "_warm_fused_sigmoid_gating_delta_rule_update_kernel")
                and work.shape.index_stride == 1)
     return split_steps(name, kernel_name, () if covered else (1,), (1,) if covered else (),
-                  "qwen_triton_warmup (fused_sigmoid_gating_delta_rule_update)",
-                  lambda: warm_sigmoid(work, fn))
+                       "qwen_triton_warmup (fused_sigmoid_gating_delta_rule_update)",
+                       lambda: warm_sigmoid(work, fn))
 
 
 def warm_sigmoid(work, fn) -> list:

@@ -22,6 +22,7 @@ of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 logger = logging.getLogger("kwarm")
@@ -48,19 +49,26 @@ def install() -> None:
     _installed = True
 
 
+@contextlib.contextmanager
+def _fail_open(message: str):
+    """Nothing kwarm raises in vLLM's code paths gets out: one warning (KWARM_STRICT re-raises)."""
+    try:
+        yield
+    except Exception as exc:
+        logger.warning("kwarm: %s: %r", message, exc)
+        from kwarm_ext import config
+
+        if config.get().strict:
+            raise
+
+
 def _guarded(patch_module, what: str):
     """A post-import hook calling ``patch_module(module)``: wrapt lets a hook's exception fail
-    the user's import, so one never gets out (one warning; KWARM_STRICT re-raises)."""
+    the user's import, so one never gets out."""
 
     def hook(module) -> None:
-        try:
+        with _fail_open(f"could not {what}"):
             patch_module(module)
-        except Exception as exc:
-            logger.warning("kwarm: could not %s: %r", what, exc)
-            from kwarm_ext import config
-
-            if config.get().strict:
-                raise
 
     return hook
 
@@ -100,16 +108,10 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
     """Run vLLM's own ``kernel_warmup(worker, ...)``, then kwarm's warmup on the same worker."""
     result = wrapped(*args, **kwargs)
     worker = args[0] if args else kwargs.get("worker")
-    try:
+    with _fail_open("warmup failed, the engine starts without it"):
         from kwarm_ext import warmup
 
         warmup.run(worker)  # isolates each of its own steps
-    except Exception as exc:
-        logger.warning("kwarm: warmup failed, the engine starts without it: %r", exc)
-        from kwarm_ext import config
-
-        if config.get().strict:
-            raise
     return result
 
 
@@ -141,14 +143,8 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     input_processor.py``). It can go when vLLM loads those plugins at start-up.
     """
     result = wrapped(*args, **kwargs)
-    try:
+    with _fail_open("front-end warmup failed, skipped"):
         from kwarm_ext import frontend
 
         frontend.warm(instance)
-    except Exception as exc:
-        logger.warning("kwarm: front-end warmup failed, skipped: %r", exc)
-        from kwarm_ext import config
-
-        if config.get().strict:
-            raise
     return result

@@ -320,10 +320,9 @@ def seed_autotuners(state: ReplayState) -> list:
 
 def load_handles(state: ReplayState) -> list:
     """Step 5 (GPU only): build each kernel's launcher and load its binary now, in parallel."""
-    labels = [label for label, _ in state.compiled]
     errors = triton_compat.init_handles_each([kernel for _, kernel in state.compiled], state.threads)
     loaded = []
-    for label, exc in zip(labels, errors):
+    for (label, _), exc in zip(state.compiled, errors):
         if exc is None:
             loaded.append(label)
         else:  # e.g. OutOfResources: its first launch would raise the same
