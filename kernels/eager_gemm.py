@@ -1,5 +1,6 @@
-"""Warmup family ``eager_gemm``: the cuBLAS GEMMs of the model's unquantized linear layers
-and of its LM head, at the token counts that run outside CUDA graphs, before the first request.
+"""Warmup family ``eager_gemm``: the cuBLAS GEMMs of the model's unquantized linear layers,
+of its LM head and of MLA's absorbed attention, at the token counts that run outside CUDA
+graphs, before the first request.
 
 Why:
     A prefill longer than the largest CUDA-graph capture size runs the compiled model's
@@ -15,7 +16,10 @@ Why:
     a 200-token prefill spent 18.6 ms in 12 first ``torch.mm`` calls on the tiny
     DeepSeek-V3.2 (0.2 ms in the repeat) and 7.9 ms on the tiny Qwen3-Next: the largest
     part of what still separated request 0 from request 1. Dummy forwards do not help
-    enough: 19 of them at a ladder of sizes left request 0 as slow (measured).
+    enough: 19 of them at a ladder of sizes left request 0 as slow (measured). With the
+    linear layers warmed, a first 1332-token prefill of the DeepSeek-V3.2 still spent 6.3 ms
+    in 4 first ``torch.bmm`` calls of MLA's absorbed attention, which no CUDA graph holds:
+    the attention runs eagerly at the step's real token count.
 
 How:
     One layer per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
@@ -28,6 +32,14 @@ How:
     fresh buffers and outputs are dropped: no state of the engine is read or written
     besides the weights, which are only read. Quantized layers are not warmed (their GEMMs
     are other libraries' kernels).
+
+    MLA (``MLAAttention`` layers with their ``W_UK_T`` / ``W_UV`` absorbed weights), one
+    layer per shape: the query's up-projection ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into
+    a head-major buffer and, where the layer pads no heads, also into a token-major one
+    (0.33 writes there), and the layer's own ``_v_up_proj`` for the output, at B = every
+    token count (as above) up to ``max_num_batched_tokens`` for sparse MLA (DSA: every token
+    goes this way) and up to ``max_num_seqs x reorder_batch_threshold`` decode tokens for
+    dense MLA. Layers on ROCm's AITER BMMs are left to vLLM, which warms those itself.
 
 Cost: one GEMM per (shape, token count), on every start (cuBLAS keeps nothing across
 processes): 5.2 s for the tiny DeepSeek-V3.2 (11 shapes x 2072 token counts, mostly cuBLAS's
@@ -51,6 +63,8 @@ _LINEAR = ("vllm.model_executor.layers.linear:LinearBase",)
 _UNQUANTIZED = ("vllm.model_executor.layers.linear:UnquantizedLinearMethod",)
 _LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",)
 _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
+_MLA = ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",)
+_OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled", "is_amx_bmm_enabled")
 EVERY_UP_TO = 64  # every token count up to this one, then every STRIDE-th
 STRIDE = 8
 _details: dict = {}
@@ -85,7 +99,24 @@ def plan(view, forced) -> list:
             steps.append(Step(name, KERNEL, skip="no token counts to warm"))
         else:
             steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
+    steps.append(_mla_step(model, view, last, device_type))
     return steps
+
+
+def _mla_step(model, view, last: int, device_type: str | None) -> Step:
+    try:
+        layers = mla_layers(model, resolve(*_MLA), device_type)
+    except Missing as exc:
+        return Step("mla_bmm", KERNEL, skip=str(exc))
+    if not layers:
+        return Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights")
+    decode_rows = (view.max_num_reqs or 0) * _int(getattr(view.runner, "reorder_batch_threshold", None), 1)
+    sized = [(name, layer, token_counts(1, last if _sparse(layer) else min(last, decode_rows)))
+             for name, layer in layers]
+    sized = [entry for entry in sized if entry[2]]
+    if not sized:
+        return Step("mla_bmm", KERNEL, skip="no token counts to warm")
+    return Step("mla_bmm", KERNEL, run=_warm_mla(sized))
 
 
 def details() -> dict:
@@ -122,6 +153,35 @@ def token_counts(first: int, last: int) -> list:
     return sizes if sizes[-1] == last else sizes + [last]
 
 
+def _int(value, default: int) -> int:
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def mla_layers(model, mla_cls, device_type: str | None = None) -> list:
+    """One (name, layer) per absorbed-weight shape among `model`'s ``MLAAttention`` layers
+    that run their BMMs through ``torch.bmm`` (not AITER's or AMX's), on `device_type`."""
+    seen = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, mla_cls) or any(getattr(layer, flag, False) for flag in _OTHER_BMMS):
+            continue
+        uk, uv = getattr(layer, "W_UK_T", None), getattr(layer, "W_UV", None)
+        if getattr(uk, "dim", lambda: 0)() != 3 or getattr(uv, "dim", lambda: 0)() != 3:
+            continue  # not loaded yet, or another layout
+        if device_type is not None and uk.device.type != device_type:
+            continue
+        key = tuple((tuple(w.shape), tuple(w.stride()), str(w.dtype), str(w.device)) for w in (uk, uv))
+        seen.setdefault(key + (_pads_heads(layer), _sparse(layer)), (name, layer))
+    return list(seen.values())
+
+
+def _sparse(layer) -> bool:
+    return bool(getattr(layer, "use_sparse", False))
+
+
+def _pads_heads(layer) -> bool:
+    return getattr(layer, "q_pad_num_heads", None) is not None
+
+
 def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) -> list:
     """One (name, layer, bias) per GEMM shape among `model`'s layers of `layer_cls` whose
     quant method is `method_cls` (and whose weight is on `device_type`, when given: not a
@@ -154,5 +214,34 @@ def _warm(name: str, layers: list, sizes: list):
         _details[name] = {"shapes": len(layers), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
         return [f"{layer_name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
                 for layer_name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
+
+    return step
+
+
+def _warm_mla(sized: list):
+    def step():
+        import torch
+
+        with torch.inference_mode():
+            for _, layer, sizes in sized:
+                heads, rows = layer.num_heads, sizes[-1]
+                uk, uv = layer.W_UK_T, layer.W_UV
+                nope, lora = uk.shape[1], uk.shape[2]
+                # the query as the attention gets it, (B, N, nope + rope), its nope part (N, B, P)
+                q = torch.zeros((rows, heads, nope + layer.qk_rope_head_dim), dtype=uk.dtype, device=uk.device)
+                q_nope = q[..., :nope].transpose(0, 1)
+                latent = torch.zeros((rows, heads * lora), dtype=uv.dtype, device=uv.device)
+                out = torch.empty((rows, heads * uv.shape[2]), dtype=uv.dtype, device=uv.device)
+                for m in sizes:
+                    torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((heads, m, lora)))
+                    if not _pads_heads(layer):
+                        torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((m, heads, lora)).transpose(0, 1))
+                    layer._v_up_proj(latent[:m], out[:m])
+        counts = sorted({len(sizes) for _, _, sizes in sized})
+        _details["mla_bmm"] = {"shapes": len(sized), "counts": counts[-1],
+                               "M": [min(s[0] for _, _, s in sized), max(s[-1] for _, _, s in sized)]}
+        return [f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
+                f"{' sparse' if _sparse(layer) else ''}: B {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"
+                for name, layer, sizes in sized]
 
     return step

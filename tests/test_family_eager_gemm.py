@@ -1,11 +1,15 @@
 """The ``eager_gemm`` family against each release's real linear layers: ``ColumnParallelLinear``,
 ``RowParallelLinear`` (with bias), ``ReplicatedLinear`` and ``ParallelLMHead``, built on CPU
 in a one-process gloo group, with their real ``UnquantizedLinearMethod`` /
-``UnquantizedEmbeddingMethod``, through kwarm's whole warmup.
+``UnquantizedEmbeddingMethod``, and ``MLAAttention`` with its real ``_v_up_proj``, through
+kwarm's whole warmup.
 
 What cannot exist on CPU is stood in for, and only that: the model runner (``GPUModelRunner``
 needs a GPU), a namespace with the attributes the family reads and the real model as
-``get_model()``. The quant methods' ``apply`` is wrapped, calling through, to see which rows
+``get_model()``; ``MLAAttention.__init__``, which picks a GPU attention backend (vLLM has no
+MLA on CPU), so those layers are the real class made with ``nn.Module.__init__`` and given
+the attributes ``__init__`` and ``process_weights_after_loading`` set (``W_UK_T``, ``W_UV`` as
+the same views of a ``kv_b_proj`` weight). The quant methods' ``apply`` is wrapped, calling through, to see which rows
 each GEMM got; what the GPU gains (cuBLAS choosing and loading kernels) is measured by
 ``bench/gemm_first_call.py`` and the engine benchmark, not here.
 """
@@ -46,6 +50,34 @@ def spy(cls):
 
 spy(linear.UnquantizedLinearMethod)
 spy(vpe.UnquantizedEmbeddingMethod)
+real_bmm = torch.bmm
+
+
+def bmm(a, b, *, out):
+    calls.append({"layer": getattr(b, "kwarm_name", "?"), "M": a.shape[1], "grad": torch.is_grad_enabled(),
+                  "token_major": not out.is_contiguous()})
+    return real_bmm(a, b, out=out)
+
+
+torch.bmm = bmm
+HEADS, NOPE, ROPE, LORA, V = 4, 16, 8, 32, 16
+
+
+def mla(name, sparse, pad_heads=None, aiter=False):
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    layer = MLAAttention.__new__(MLAAttention)
+    torch.nn.Module.__init__(layer)
+    kv_b = torch.randn(LORA, HEADS, NOPE + V, dtype=torch.bfloat16)  # kv_b_proj's weight, (L, N, P + V)
+    w_uk, w_uv = kv_b.split([NOPE, V], dim=-1)
+    layer.W_UV, layer.W_UK_T = w_uv.transpose(0, 1), w_uk.permute(1, 2, 0)
+    layer.W_UV.kwarm_name, layer.W_UK_T.kwarm_name = name + ".W_UV", name + ".W_UK_T"
+    layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim = HEADS, NOPE, ROPE
+    layer.kv_lora_rank, layer.v_head_dim = LORA, V
+    layer.q_pad_num_heads, layer.use_sparse = pad_heads, sparse
+    layer.is_aiter_triton_fp8_bmm_enabled, layer.is_aiter_triton_fp4_bmm_enabled = aiter, False
+    layer.is_amx_bmm_enabled = False
+    layer.kwarm_weights = (kv_b, kv_b.clone())
+    return layer
 
 
 class Model(torch.nn.Module):
@@ -57,7 +89,11 @@ class Model(torch.nn.Module):
                 "row_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, **kw),
                 "row_skip_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, skip_bias_add=True, **kw),
                 "router": lambda: linear.ReplicatedLinear(64, 8, bias=False, **kw),
-                "lm_head": lambda: vpe.ParallelLMHead(1000, 64, **kw)}
+                "lm_head": lambda: vpe.ParallelLMHead(1000, 64, **kw),
+                "mla_sparse": lambda: mla("mla_sparse", sparse=True),
+                "mla_sparse_twin": lambda: mla("mla_sparse_twin", sparse=True),
+                "mla_dense": lambda: mla("mla_dense", sparse=False, pad_heads=8),
+                "mla_aiter": lambda: mla("mla_aiter", sparse=True, aiter=True)}
         for name in layers:
             layer = make[name]()
             layer.kwarm_name = name
@@ -72,6 +108,7 @@ def run_case(case):
     before = {n: p.clone() for n, p in model.named_parameters()}
     runner = SimpleNamespace(
         get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
+        reorder_batch_threshold=case.get("decode_threshold", 1),
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
                                            max_cudagraph_capture_size=case["capture"],
                                            static_forward_context={}))
@@ -89,8 +126,9 @@ def run_case(case):
     report = warmup.run(SimpleNamespace(model_runner=runner, vllm_config=vllm_config))
     logging.getLogger("kwarm").removeHandler(handler)
     family = next(f for f in report["families"] if f["name"] == "eager_gemm")
-    return {"family": family, "calls": list(calls), "logs": logs,
-            "changed": [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]}
+    changed = [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]
+    changed += [n for n, m in model.named_children() if hasattr(m, "kwarm_weights") and not torch.equal(*m.kwarm_weights)]
+    return {"family": family, "calls": list(calls), "logs": logs, "changed": changed}
 
 
 with socket.socket() as s:
@@ -109,6 +147,8 @@ CASES = {
     "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"]),
     "no_linear": dict(GRAPHS, layers=[]),
     "offloaded": dict(GRAPHS, layers=["router", "lm_head"], device="cuda:0"),  # the layers stay on CPU
+    "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"]),
+    "mla_offloaded": dict(GRAPHS, layers=["mla_sparse"], device="cuda:0"),
 }
 # 33..64 one by one, then every 8th up to 200 (the largest batch)
 EAGER = list(range(33, 65)) + list(range(72, 201, 8))
@@ -143,6 +183,8 @@ def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "weights and biases are only read"
     assert "M 33..200 (49 counts)" in steps["linear"]["variants"]
+    assert steps["mla_bmm"]["status"] == "skipped"
+    assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
     assert family["details"]["summary"] == ("4 linear GEMM shapes x 49 token counts (M 33..200), "
                                             "1 lm_head GEMM shapes x 4 token counts (M 1..4)")
 
@@ -165,3 +207,35 @@ def test_weights_off_the_runners_device_are_left_alone(release):
     assert result["calls"] == []
     assert steps["linear"]["reason"] == "no unquantized linear layers on cuda"
     assert steps["lm_head"]["reason"] == "no unquantized lm_head layers on cuda"
+
+
+# every count to 64, then every 8th up to max_num_batched_tokens: CUDA graphs do not hold the attention
+ALL_TOKENS = list(range(1, 65)) + list(range(72, 201, 8))
+
+
+def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dense(release):
+    result = _batch(release)["mla"]
+    steps = {s["name"]: s for s in result["family"]["steps"]}
+    assert steps["mla_bmm"]["status"] == "ran", steps["mla_bmm"]
+    # sparse MLA (DSA): every token takes the absorbed path, so B runs over all token counts;
+    # the query's BMM into both output layouts (no padded heads), the layer's own _v_up_proj
+    assert _ms(result, "mla_sparse.W_UK_T") == [m for m in ALL_TOKENS for _ in (0, 1)]
+    assert [c["token_major"] for c in result["calls"] if c["layer"] == "mla_sparse.W_UK_T" and c["M"] == 2] == [False, True]
+    assert _ms(result, "mla_sparse.W_UV") == ALL_TOKENS
+    assert _ms(result, "mla_sparse_twin.W_UK_T") == [], "one layer per shape"
+    # dense MLA: only decode tokens, up to max_num_seqs x reorder_batch_threshold = 4 x 2;
+    # padded heads: the head-major buffer only
+    assert _ms(result, "mla_dense.W_UK_T") == list(range(1, 9))
+    assert _ms(result, "mla_dense.W_UV") == list(range(1, 9))
+    assert _ms(result, "mla_aiter.W_UK_T") == _ms(result, "mla_aiter.W_UV") == [], "AITER's BMMs are vLLM's"
+    assert not any(c["grad"] for c in result["calls"]), "under inference mode"
+    assert result["changed"] == [], "the absorbed weights are only read"
+    assert "mla_dense W_UK_T (4, 16, 32) W_UV (4, 32, 16): B 1..8 (8 counts)" in steps["mla_bmm"]["variants"]
+    assert result["family"]["details"]["mla_bmm"] == {"shapes": 2, "counts": 81, "M": [1, 200]}
+
+
+def test_mla_weights_off_the_runners_device_are_left_alone(release):
+    result = _batch(release)["mla_offloaded"]
+    steps = {s["name"]: s for s in result["family"]["steps"]}
+    assert result["calls"] == []
+    assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
