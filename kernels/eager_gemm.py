@@ -42,9 +42,14 @@ How:
     dense MLA. Layers on ROCm's AITER BMMs are left to vLLM, which warms those itself.
 
 Cost: one GEMM per (shape, token count), on every start (cuBLAS keeps nothing across
-processes): 5.2 s for the tiny DeepSeek-V3.2 (11 shapes x 2072 token counts, mostly cuBLAS's
-per-shape choice on the CPU); the GPU time of the large token counts grows with the layers'
-sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
+processes), mostly cuBLAS's per-shape choice on the CPU: for the tiny DeepSeek-V3.2, 5.2-7.8 s
+for 11 linear shapes x 2072 token counts and 2.0-2.7 s for MLA (1 shape x 2104 counts x 3
+BMMs; the token-major BMM only serves 0.33+, where vLLM writes there); the GPU time of the large
+token counts grows with the layers' sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
+
+What it cannot reach: Inductor's compiled pieces may call ``mm`` on buffers laid out
+otherwise than the layers' own inputs (Inductor may pad strides), and cuBLAS then chooses
+again at the first call (0.13 ms per GEMM measured at a token count this family ran).
 
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 

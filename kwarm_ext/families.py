@@ -63,7 +63,8 @@ FAMILIES = {
                "(config region x integer class), through the runner's own dummy runs"),
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
                "cuBLAS GEMMs of the unquantized linear layers at every eager token count (every "
-               "8th above 64) and of the LM head at 1..max_num_seqs rows, before serving"),
+               "8th above 64), of the LM head at 1..max_num_seqs rows and of MLA's absorbed "
+               "attention (W_UK_T, W_UV BMMs), before serving"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
