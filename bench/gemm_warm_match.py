@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""When does a GEMM warmed at an exact token count still pay a first-call cost? (GPU host)
+
+    python bench/gemm_warm_match.py
+
+In the engine benchmark (BENCHMARKS.md, call 12) request 0's 12 ``torch.mm`` calls at M = 200
+cost 0.13 ms more than in its repeat although ``eager_gemm`` had run every weight shape at
+M = 200 through the layers' own ``F.linear``. Each case below warms fresh token counts one way
+and then times the first and second call made another way (CPU ms summed over the weight
+shapes): same way (control), another thread, another CUDA stream, a padded row stride, an
+input not 256-byte aligned, after ``torch.cuda.empty_cache()`` (vLLM empties the cache after
+CUDA-graph capture, after kwarm's warmup). It also times fresh allocations after
+``empty_cache``. Not part of kwarm.
+"""
+import json
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(1024, 2048), (2048, 1024), (1024, 576), (512, 1024), (7168, 1536)]  # (K, N)
+DT = torch.bfloat16
+
+
+def cpu_ms(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def weights():
+    return [torch.randn(n, k, device="cuda", dtype=DT) for k, n in SHAPES]
+
+
+def warm(ws, m):
+    with torch.inference_mode():
+        for w in ws:
+            F.linear(torch.zeros(m, w.shape[1], device="cuda", dtype=DT), w)
+
+
+def probe(ws, m, make_input, stream=None):
+    """First and second call, summed over shapes, of mm(input, w.t(), out=...)."""
+    calls = []
+    for w in ws:
+        a = make_input(m, w.shape[1])
+        out = torch.empty(m, w.shape[0], device="cuda", dtype=DT)
+        ctx = torch.cuda.stream(stream) if stream is not None else torch.inference_mode()
+        with ctx:
+            calls.append((cpu_ms(lambda: torch.mm(a, w.t(), out=out)), cpu_ms(lambda: torch.mm(a, w.t(), out=out))))
+    return round(sum(c[0] for c in calls), 3), round(sum(c[1] for c in calls), 3)
+
+
+def contiguous(m, k):
+    return torch.randn(m, k, device="cuda", dtype=DT)
+
+
+def padded(m, k):
+    return torch.randn(m, k + 64, device="cuda", dtype=DT)[:, :k]
+
+
+def misaligned(m, k):
+    return torch.randn(m * k + 8, device="cuda", dtype=DT)[8:].view(m, k)
+
+
+def main():
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    torch.randn(8, 8, device="cuda") @ torch.randn(8, 8, device="cuda")
+    ws = weights()
+    warm(ws, 100)
+    cases = []
+    m = 200
+
+    def case(name, make_input=contiguous, warm_fn=warm, before_probe=None, stream=None):
+        nonlocal m
+        m += 11  # a token count no case ran before
+        cold = probe(ws, m + 5, make_input, stream)  # a count never warmed: what warming saves
+        warm_fn(ws, m)
+        if before_probe:
+            before_probe()
+        first, second = probe(ws, m, make_input, stream)
+        row = {"case": name, "M": m, "first_ms": first, "second_ms": second, "never_warmed_first_ms": cold[0]}
+        cases.append(row)
+        print(json.dumps(row), flush=True)
+
+    case("control: warmed by F.linear, called by mm(out=)")
+    case("input with a padded row stride", padded)
+    case("input not 256-byte aligned", misaligned)
+    case("called on another CUDA stream", stream=torch.cuda.Stream())
+    case("after torch.cuda.empty_cache()", before_probe=torch.cuda.empty_cache)
+
+    def warm_in_thread(ws_, m_):
+        t = threading.Thread(target=warm, args=(ws_, m_))
+        t.start()
+        t.join()
+
+    case("warmed in another thread", warm_fn=warm_in_thread)
+
+    # the caching allocator after empty_cache: 15 fresh 0.8 MB tensors, then the same again
+    torch.cuda.empty_cache()
+    shape = (200, 16, 128)
+    first = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
+    second = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
+    print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache", "first_ms": round(first, 3),
+                      "second_ms": round(second, 3)}), flush=True)
+
+
+main()
