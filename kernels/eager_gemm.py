@@ -22,17 +22,7 @@ Why:
     the attention runs eagerly at the step's real token count.
 
 How:
-    Compiled models (``compiled_mm``, first): one eager dummy forward of vLLM's own
-    ``_dummy_run`` at the first eager token count, with Inductor's ``extern_kernels.mm`` /
-    ``addmm`` (what its generated code calls cuBLAS through) wrapped to note each call's
-    layout: input and output row strides, the weight view, the bias. Each layout whose
-    operands scale with the token count is then run again at every eager token count, on
-    buffers with the same row strides. The layout matters: on the GPU host a GEMM warmed at
-    an exact M on a contiguous input paid its first call again (1.4 ms against 0.17 ms for 5
-    shapes) on an input with a padded row stride (``bench/gemm_warm_match.py``), and request
-    0 of the engine benchmark still paid 0.13 ms per ``torch.mm`` at an M the linear step had
-    run (call 12). Then the linear layers, for what the compiled forward did not cover:
-    one layer per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
+    One layer per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
     ``LinearBase`` layers whose ``quant_method`` is ``UnquantizedLinearMethod``, called the way
     the layer's ``forward`` calls it, ``quant_method.apply(layer, x, bias)`` (vLLM's
     ``dispatch_unquantized_gemm``: ``F.linear`` on CUDA), on a zero input of M rows, for M
@@ -57,6 +47,10 @@ for 11 linear shapes x 2072 token counts and 2.0-2.7 s for MLA (1 shape x 2104 c
 BMMs; the token-major BMM only serves 0.33+, where vLLM writes there); the GPU time of the large
 token counts grows with the layers' sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
 
+What it cannot reach: Inductor's compiled pieces may call ``mm`` on buffers laid out
+otherwise than the layers' own inputs (Inductor may pad strides), and cuBLAS then chooses
+again at the first call (0.13 ms per GEMM measured at a token count this family ran).
+
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 
 Remove when:
@@ -65,7 +59,7 @@ Remove when:
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import dummy_runner, eager_range
+from kwarm_ext.kernels.runner import eager_range
 from kwarm_ext.vllm_compat import Missing, resolve
 
 NAME = "eager_gemm"
@@ -76,8 +70,6 @@ _LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead"
 _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
 _MLA = ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",)
 _OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled", "is_amx_bmm_enabled")
-_EXTERN_KERNELS = ("torch._inductor.select_algorithm:extern_kernels",)
-_COMPILED_GEMMS = ("mm", "addmm")  # what Inductor's compiled code calls cuBLAS through
 EVERY_UP_TO = 64  # every token count up to this one, then every STRIDE-th
 STRIDE = 8
 _details: dict = {}
@@ -96,8 +88,7 @@ def plan(view, forced) -> list:
     model = model_of(view.runner)
     first, last = eager_range(view)
     device_type = _device_type(view)
-    covered: set = set()  # contiguous GEMM shapes the compiled step warmed: the linear step skips them
-    steps = [_compiled_step(view, first, last, covered)]
+    steps = []
     for name, classes, method, sizes in (
             ("linear", _LINEAR, _UNQUANTIZED, token_counts(first, last)),
             ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, token_counts(1, view.max_num_reqs or 0))):
@@ -112,23 +103,9 @@ def plan(view, forced) -> list:
         elif not sizes:
             steps.append(Step(name, KERNEL, skip="no token counts to warm"))
         else:
-            steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes, covered if name == "linear" else set())))
+            steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
     steps.append(_mla_step(model, view, last, device_type))
     return steps
-
-
-def _compiled_step(view, first: int, last: int, covered: set) -> Step:
-    if view.enforce_eager:
-        return Step("compiled_mm", KERNEL, skip="enforce_eager: no compiled model")
-    sizes = token_counts(first, last)
-    if not sizes:
-        return Step("compiled_mm", KERNEL, skip="no token counts to warm")
-    try:
-        extern = resolve(*_EXTERN_KERNELS)
-        forward = dummy_runner(view.runner)
-    except Exception as exc:  # noqa: BLE001 - Missing, or another _dummy_run signature
-        return Step("compiled_mm", KERNEL, skip=f"cannot run the compiled model: {exc}")
-    return Step("compiled_mm", KERNEL, run=_warm_compiled(extern, forward, sizes, covered))
 
 
 def _mla_step(model, view, last: int, device_type: str | None) -> Step:
@@ -229,22 +206,19 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
     return list(seen.values())
 
 
-def _warm(name: str, layers: list, sizes: list, covered: set):
+def _warm(name: str, layers: list, sizes: list):
     def step():
         import torch
 
-        todo = [entry for entry in layers if _linear_key(entry[1].weight, entry[2]) not in covered]
         with torch.inference_mode():
-            for _, layer, bias in todo:
+            for _, layer, bias in layers:
                 weight = layer.weight
                 rows = torch.zeros((sizes[-1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
                 for m in sizes:
                     layer.quant_method.apply(layer, rows[:m], bias)
-        _details[name] = {"shapes": len(todo), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
-        if len(todo) < len(layers):
-            _details[name]["warmed_by_compiled_mm"] = len(layers) - len(todo)
+        _details[name] = {"shapes": len(layers), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
         return [f"{layer_name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
-                for layer_name, layer, bias in todo] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
+                for layer_name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
 
     return step
 
@@ -274,91 +248,5 @@ def _warm_mla(sized: list):
         return [f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
                 f"{' sparse' if _sparse(layer) else ''}: B {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"
                 for name, layer, sizes in sized]
-
-    return step
-
-
-def _linear_key(weight, bias) -> tuple:
-    """What ``F.linear(x, weight)`` on a contiguous x gives cuBLAS: the key under which the
-    compiled step reports a GEMM it warmed with that same layout."""
-    return (tuple(weight.shape), str(weight.dtype), str(weight.device), bias is not None)
-
-
-def capture_compiled_gemms(extern, forward, probe: int) -> list:
-    """The GEMMs Inductor's compiled code launches in one ``forward(probe)``, as layouts that
-    scale with the token count: each call of ``extern_kernels.mm`` / ``addmm`` whose input and
-    output have ``probe`` row-major rows and whose weight does not depend on it, once per
-    (op, shapes, strides, dtypes).
-
-    A patch for the length of one dummy forward, in this thread's warmup, before serving:
-    Inductor's generated code looks ``extern_kernels.<op>`` up at each call, so a recorder set
-    there sees the compiled model's own GEMMs (every release, 0.20-0.33, with torch's
-    Inductor); calls pass through unchanged and the originals are put back in ``finally``.
-    Goes when vLLM or torch can list a compiled graph's GEMM layouts."""
-    originals = {name: getattr(extern, name) for name in _COMPILED_GEMMS if callable(getattr(extern, name, None))}
-    seen: dict = {}
-
-    def recorder(name, fn):
-        def call(*args, **kwargs):
-            _note(seen, name, fn, probe, args, kwargs)
-            return fn(*args, **kwargs)
-        return call
-
-    try:
-        for name, fn in originals.items():
-            setattr(extern, name, recorder(name, fn))
-        forward(probe)
-    finally:
-        for name, fn in originals.items():
-            setattr(extern, name, fn)
-    return list(seen.values())
-
-
-def _rows(t, probe: int) -> bool:
-    """`t` is (probe, n), row-major (unit column stride), its row stride independent of probe."""
-    return getattr(t, "dim", lambda: 0)() == 2 and t.shape[0] == probe and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
-
-
-def _note(seen: dict, name: str, fn, probe: int, args: tuple, kwargs: dict) -> None:
-    try:
-        bias, (a, b) = (args[0], args[1:3]) if name == "addmm" else (None, args[:2])
-        out = kwargs.get("out")
-        if not _rows(a, probe) or (out is not None and not _rows(out, probe)):
-            return
-        if b.dim() != 2 or probe in b.shape:
-            return  # the second operand depends on the token count: not a weight
-        if bias is not None and bias.dim() == 2 and bias.shape[0] == probe and bias.stride(0) != 0:
-            return  # a per-row bias
-        extra = {k: v for k, v in kwargs.items() if k != "out"}
-        key = (name, a.shape[1], a.stride(0), str(a.dtype), tuple(b.shape), b.stride(), str(b.dtype),
-               None if out is None else out.stride(0),
-               None if bias is None else (tuple(bias.shape), bias.stride()), tuple(sorted(extra.items())))
-        seen.setdefault(key, {"op": name, "fn": fn, "a": a, "b": b, "out": out, "bias": bias, "extra": extra})
-    except Exception:  # noqa: BLE001 - an unusual call is not warmed; the forward goes on
-        return
-
-
-def _warm_compiled(extern, forward, sizes: list, covered: set):
-    def step():
-        import torch
-
-        probe, last = sizes[0], sizes[-1]
-        gemms = capture_compiled_gemms(extern, forward, probe)
-        with torch.inference_mode():
-            for g in gemms:
-                a, out, b = g["a"], g["out"], g["b"]
-                rows = torch.empty_strided((last, a.shape[1]), (a.stride(0), 1), dtype=a.dtype, device=a.device).zero_()
-                outs = None if out is None else torch.empty_strided(
-                    (last, out.shape[1]), (out.stride(0), 1), dtype=out.dtype, device=out.device)
-                head = (g["bias"],) if g["op"] == "addmm" else ()
-                for m in sizes:
-                    kwargs = dict(g["extra"]) if outs is None else {**g["extra"], "out": outs[:m]}
-                    g["fn"](*head, rows[:m], b, **kwargs)
-                if g["op"] == "mm" and a.stride(0) == a.shape[1] and b.stride() == (1, b.shape[0]) and (
-                        out is None or out.stride(0) == out.shape[1]):
-                    covered.add(((b.shape[1], b.shape[0]), str(b.dtype), str(b.device), False))
-        _details["compiled_mm"] = {"shapes": len(gemms), "counts": len(sizes), "M": [probe, last]}
-        return [f"{g['op']} ({probe}, {g['a'].shape[1]}) row stride {g['a'].stride(0)} x {tuple(g['b'].shape)}"
-                f" stride {g['b'].stride()}" for g in gemms] + [f"M {probe}..{last} ({len(sizes)} counts)"]
 
     return step

@@ -60,45 +60,6 @@ def bmm(a, b, *, out):
 
 
 torch.bmm = bmm
-
-import torch._inductor.kernel.mm  # noqa: E402,F401 - registers extern_kernels.mm / addmm, as compiled code does
-from torch._inductor.select_algorithm import extern_kernels  # noqa: E402
-
-
-def extern_spy(name):
-    real = getattr(extern_kernels, name)
-
-    def call(*args, **kwargs):
-        a = args[1] if name == "addmm" else args[0]
-        calls.append({"layer": "extern." + name, "M": a.shape[0], "lda": a.stride(0), "grad": torch.is_grad_enabled(),
-                      "out": "out" in kwargs})
-        return real(*args, **kwargs)
-
-    setattr(extern_kernels, name, call)
-
-
-extern_spy("mm")
-extern_spy("addmm")
-
-
-def inductor_forward(model, dummy_runs):
-    """Stands in for ``GPUModelRunner._dummy_run`` over an Inductor-compiled model: the
-    generated code calls cuBLAS through ``extern_kernels`` on its own buffers, here one
-    contiguous input, one sliced out of a wider buffer (a padded row stride), a bias
-    ``addmm`` and a product of two activations (no weight: not warmable)."""
-    def _dummy_run(num_tokens, cudagraph_runtime_mode=None, skip_eplb=False):
-        dummy_runs.append(num_tokens)
-        kw = dict(dtype=torch.bfloat16)
-        with torch.inference_mode():
-            w = model.column.weight  # (128, 64)
-            x = torch.zeros(num_tokens, 64, **kw)
-            extern_kernels.mm(x, w.t(), out=torch.empty(num_tokens, 128, **kw))
-            extern_kernels.mm(torch.zeros(num_tokens, 96, **kw)[:, :64], w.t(), out=torch.empty(num_tokens, 128, **kw))
-            row = model.row_bias  # (64, 128) + bias
-            extern_kernels.addmm(row.bias, torch.zeros(num_tokens, 128, **kw), row.weight.t(), alpha=1, beta=1,
-                                 out=torch.empty(num_tokens, 64, **kw))
-            extern_kernels.mm(x, x.t())
-    return _dummy_run
 HEADS, NOPE, ROPE, LORA, V = 4, 16, 8, 32, 16
 
 
@@ -143,13 +104,11 @@ class Model(torch.nn.Module):
 
 def run_case(case):
     calls.clear()
-    dummy_runs = []
     model = Model(case["layers"])
     before = {n: p.clone() for n, p in model.named_parameters()}
     runner = SimpleNamespace(
         get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
         reorder_batch_threshold=case.get("decode_threshold", 1),
-        **({"_dummy_run": inductor_forward(model, dummy_runs)} if case.get("compiled") else {}),
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
                                            max_cudagraph_capture_size=case["capture"],
                                            static_forward_context={}))
@@ -169,7 +128,7 @@ def run_case(case):
     family = next(f for f in report["families"] if f["name"] == "eager_gemm")
     changed = [n for n, p in model.named_parameters() if not torch.equal(before[n], p)]
     changed += [n for n, m in model.named_children() if hasattr(m, "kwarm_weights") and not torch.equal(*m.kwarm_weights)]
-    return {"family": family, "calls": list(calls), "logs": logs, "changed": changed, "dummy_runs": dummy_runs}
+    return {"family": family, "calls": list(calls), "logs": logs, "changed": changed}
 
 
 with socket.socket() as s:
@@ -190,7 +149,6 @@ CASES = {
     "offloaded": dict(GRAPHS, layers=["router", "lm_head"], device="cuda:0"),  # the layers stay on CPU
     "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"]),
     "mla_offloaded": dict(GRAPHS, layers=["mla_sparse"], device="cuda:0"),
-    "compiled": dict(GRAPHS, compiled=True, layers=["column", "row_bias", "router"]),
 }
 # 33..64 one by one, then every 8th up to 200 (the largest batch)
 EAGER = list(range(33, 65)) + list(range(72, 201, 8))
@@ -281,37 +239,3 @@ def test_mla_weights_off_the_runners_device_are_left_alone(release):
     steps = {s["name"]: s for s in result["family"]["steps"]}
     assert result["calls"] == []
     assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
-
-
-def test_compiled_gemms_warmed_in_inductors_own_layouts(release):
-    """One dummy forward at the first eager count shows which GEMMs the compiled code launches
-    and on which layouts; each is then run at every eager token count on that layout."""
-    result = _batch(release)["compiled"]
-    steps = {s["name"]: s for s in result["family"]["steps"]}
-    assert steps["compiled_mm"]["status"] == "ran", steps["compiled_mm"]
-    assert result["dummy_runs"] == [33], "one probe forward, at the first eager token count"
-    mm = [c for c in result["calls"] if c["layer"] == "extern.mm"]
-    addmm = [c for c in result["calls"] if c["layer"] == "extern.addmm"]
-    # the probe's own 3 mm and 1 addmm calls, then each warmable layout at every eager count
-    assert [c["M"] for c in mm[:3]] == [33, 33, 33] and [c["M"] for c in addmm[:1]] == [33]
-    warmed = mm[3:]
-    assert [c["M"] for c in warmed if c["lda"] == 64] == EAGER, "the contiguous input"
-    assert [c["M"] for c in warmed if c["lda"] == 96] == EAGER, "the padded input, its row stride kept"
-    assert len(warmed) == 2 * len(EAGER), "activation x activation is not warmed"
-    assert [c["M"] for c in addmm[1:]] == EAGER and all(c["out"] for c in addmm)
-    assert not any(c["grad"] for c in result["calls"])
-    # the linear step skips what the compiled step already warmed with F.linear's own layout
-    assert _ms(result, "column") == [], "same GEMM as the contiguous compiled mm"
-    assert _ms(result, "row_bias") == EAGER, "a bias addmm is not F.linear's call: still warmed"
-    assert _ms(result, "router") == EAGER, "not in the compiled forward"
-    details = result["family"]["details"]
-    assert details["compiled_mm"] == {"shapes": 3, "counts": len(EAGER), "M": [33, 200]}
-    assert details["linear"]["warmed_by_compiled_mm"] == 1
-    assert result["changed"] == []
-    assert any("row stride 96" in v for v in steps["compiled_mm"]["variants"])
-
-
-def test_no_compiled_forward_is_a_skip(release):
-    steps = {s["name"]: s for s in _batch(release)["model"]["family"]["steps"]}
-    assert steps["compiled_mm"]["status"] == "skipped"
-    assert steps["compiled_mm"]["reason"].startswith("cannot run the compiled model")
