@@ -47,9 +47,13 @@ for 11 linear shapes x 2072 token counts and 2.0-2.7 s for MLA (1 shape x 2104 c
 BMMs; the token-major BMM only serves 0.33+, where vLLM writes there); the GPU time of the large
 token counts grows with the layers' sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
 
-What it cannot reach: Inductor's compiled pieces may call ``mm`` on buffers laid out
-otherwise than the layers' own inputs (Inductor may pad strides), and cuBLAS then chooses
-again at the first call (0.13 ms per GEMM measured at a token count this family ran).
+What it does not reach: request 0 of the engine benchmark still paid about 0.15 ms per
+``torch.mm`` at M = 200, a count this family ran (calls 12 and 14). Not the layout: the
+compiled model's own GEMMs, noted from Inductor's ``extern_kernels`` over a dummy forward
+(call 14), were the contiguous ones warmed here, and warming them again that way changed
+nothing. Not a thread, a stream, the pointer alignment or ``empty_cache`` either
+(``bench/gemm_warm_match.py``). Still to test: CUDA-graph capture, which vLLM runs between
+this warmup and the first request.
 
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 
