@@ -9,7 +9,9 @@ M = 200 through the layers' own ``F.linear``. Each case below warms fresh token 
 and then times the first and second call made another way (CPU ms summed over the weight
 shapes): same way (control), another thread, another CUDA stream, a padded row stride, an
 input not 256-byte aligned, after ``torch.cuda.empty_cache()`` (vLLM empties the cache after
-CUDA-graph capture, after kwarm's warmup). It also times fresh allocations after
+CUDA-graph capture, after kwarm's warmup), and after capturing a CUDA graph (vLLM captures
+its graphs between kwarm's warmup and the first request; this case came after the run in
+``bench/results/gemm-warm-match-h200``). It also times fresh allocations after
 ``empty_cache``. Not part of kwarm.
 """
 import json
@@ -98,6 +100,27 @@ def main():
         t.join()
 
     case("warmed in another thread", warm_fn=warm_in_thread)
+
+    def capture_a_graph():
+        """What vLLM's capture_model does in between, in small: GEMMs on a side stream, then
+        one captured into a CUDA graph (torch's recipe: warm on the side stream first)."""
+        a = torch.randn(16, SHAPES[0][0], device="cuda", dtype=DT)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for w in ws:
+                torch.mm(torch.randn(16, w.shape[1], device="cuda", dtype=DT), w.t())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mm(a, ws[0].t())
+        graph.replay()
+        torch.cuda.empty_cache()
+
+    try:
+        case("after a CUDA-graph capture and empty_cache", before_probe=capture_a_graph)
+    except Exception as exc:  # noqa: BLE001 - report and go on to the allocator case
+        print(json.dumps({"case": "after a CUDA-graph capture", "error": repr(exc)}), flush=True)
 
     # the caching allocator after empty_cache: 15 fresh 0.8 MB tensors, then the same again
     torch.cuda.empty_cache()
