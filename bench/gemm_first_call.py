@@ -61,4 +61,5 @@ def main():
     except Exception as exc:  # older torch
         print("cublaslt:", exc)
 
-main()
+if __name__ == "__main__":
+    main()

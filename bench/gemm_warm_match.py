@@ -16,22 +16,17 @@ its graphs between kwarm's warmup and the first request; this case came after th
 """
 import json
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(1024, 2048), (2048, 1024), (1024, 576), (512, 1024), (7168, 1536)]  # (K, N)
+from gemm_first_call import SHAPES, timed  # (K, N) weight shapes; (CPU ms, wall ms) of one call
+
 DT = torch.bfloat16
 
 
 def cpu_ms(fn):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    ms = (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
-    return ms
+    return timed(fn)[0]
 
 
 def weights():
@@ -127,8 +122,9 @@ def main():
     shape = (200, 16, 128)
     first = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
     second = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
-    print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache", "first_ms": round(first, 3),
-                      "second_ms": round(second, 3)}), flush=True)
+    print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache", "first_ms": first,
+                      "second_ms": second}), flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()

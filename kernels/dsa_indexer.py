@@ -123,6 +123,7 @@ import os
 
 from kwarm_ext import vllm_compat
 from kwarm_ext.families import Step
+from kwarm_ext.kernels.runner import runner_models
 from kwarm_ext.triton_compat import int_class
 from kwarm_ext.vllm_compat import Missing
 
@@ -881,7 +882,7 @@ def _indexer_modules(view, cache_ids: set) -> dict:
     """{id(indexer cache layer): (module holding n_head, SparseAttnIndexer op)}, from the
     runner's model and drafter: the modules whose ``k_cache`` is one of the layers."""
     out: dict = {}
-    for model in _models(view):
+    for model in runner_models(view.runner):
         for module in model.modules():
             cache = getattr(module, "k_cache", None)
             if id(cache) not in cache_ids:
@@ -893,20 +894,6 @@ def _indexer_modules(view, cache_ids: set) -> dict:
                 op = module
             out[id(cache)] = (owner, op)
     return out
-
-
-def _models(view) -> list:
-    runner, models = view.runner, []
-    candidates = [lambda: runner.get_model(), lambda: runner.model,
-                  lambda: runner.drafter.model, lambda: runner.speculator.model]
-    for get in candidates:
-        try:
-            model = get()
-        except Exception:  # absent, not loaded yet, or no drafter
-            continue
-        if callable(getattr(model, "modules", None)) and all(model is not m for m in models):
-            models.append(model)
-    return models
 
 
 @dataclasses.dataclass(frozen=True)

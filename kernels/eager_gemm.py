@@ -63,7 +63,7 @@ Remove when:
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import eager_range
+from kwarm_ext.kernels.runner import eager_range, runner_models
 from kwarm_ext.vllm_compat import Missing, resolve
 
 NAME = "eager_gemm"
@@ -138,13 +138,9 @@ def details() -> dict:
 
 
 def model_of(runner):
-    """The model without its CUDA-graph wrapper (``get_model``), else ``runner.model``."""
-    get_model = getattr(runner, "get_model", None)
-    try:
-        model = get_model() if callable(get_model) else getattr(runner, "model", None)
-    except Exception:  # not loaded yet
-        model = None
-    return model if callable(getattr(model, "modules", None)) else None
+    """The runner's own model (``get_model()``, else ``runner.model``), or None."""
+    models = runner_models(runner)
+    return models[0] if models else None
 
 
 def _device_type(view) -> str | None:
@@ -174,13 +170,18 @@ def mla_layers(model, mla_cls, device_type: str | None = None) -> list:
         if not isinstance(layer, mla_cls) or any(getattr(layer, flag, False) for flag in _OTHER_BMMS):
             continue
         uk, uv = getattr(layer, "W_UK_T", None), getattr(layer, "W_UV", None)
-        if getattr(uk, "dim", lambda: 0)() != 3 or getattr(uv, "dim", lambda: 0)() != 3:
+        if _dims(uk) != 3 or _dims(uv) != 3:
             continue  # not loaded yet, or another layout
         if device_type is not None and uk.device.type != device_type:
             continue
         key = tuple((tuple(w.shape), tuple(w.stride()), str(w.dtype), str(w.device)) for w in (uk, uv))
         seen.setdefault(key + (_pads_heads(layer), _sparse(layer)), (name, layer))
     return list(seen.values())
+
+
+def _dims(tensor) -> int:
+    """Its number of dimensions; 0 for None or anything not a tensor."""
+    return getattr(tensor, "dim", lambda: 0)()
 
 
 def _sparse(layer) -> bool:
@@ -200,7 +201,7 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
         if not isinstance(layer, layer_cls) or not isinstance(getattr(layer, "quant_method", None), method_cls):
             continue
         weight = getattr(layer, "weight", None)
-        if weight is None or getattr(weight, "dim", lambda: 0)() != 2:
+        if _dims(weight) != 2:
             continue
         if device_type is not None and weight.device.type != device_type:
             continue
@@ -241,13 +242,13 @@ def _warm_mla(sized: list):
                 q_nope = q[..., :nope].transpose(0, 1)
                 latent = torch.zeros((rows, heads * lora), dtype=uv.dtype, device=uv.device)
                 out = torch.empty((rows, heads * uv.shape[2]), dtype=uv.dtype, device=uv.device)
+                token_major = not _pads_heads(layer)
                 for m in sizes:
                     torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((heads, m, lora)))
-                    if not _pads_heads(layer):
+                    if token_major:
                         torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((m, heads, lora)).transpose(0, 1))
                     layer._v_up_proj(latent[:m], out[:m])
-        counts = sorted({len(sizes) for _, _, sizes in sized})
-        _details["mla_bmm"] = {"shapes": len(sized), "counts": counts[-1],
+        _details["mla_bmm"] = {"shapes": len(sized), "counts": max(len(sizes) for _, _, sizes in sized),
                                "M": [min(s[0] for _, _, s in sized), max(s[-1] for _, _, s in sized)]}
         return [f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
                 f"{' sparse' if _sparse(layer) else ''}: B {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"

@@ -329,6 +329,22 @@ def eager_range(view) -> tuple:
     return int(top) + 1, last
 
 
+def runner_models(runner) -> list:
+    """The runner's models, each once: its own (``get_model()``, without the CUDA-graph
+    wrapper, else ``runner.model``), then a speculative drafter's; those not loaded are left out."""
+    models = []
+    candidates = [lambda: runner.get_model(), lambda: runner.model,
+                  lambda: runner.drafter.model, lambda: runner.speculator.model]
+    for get in candidates:
+        try:
+            model = get()
+        except Exception:  # absent, not loaded yet, or no drafter
+            continue
+        if callable(getattr(model, "modules", None)) and all(model is not m for m in models):
+            models.append(model)
+    return models
+
+
 def dummy_runner(runner, **extra):
     """``lambda M: runner._dummy_run(M, cudagraph_runtime_mode=NONE, skip_eplb=True, **extra)``:
     vLLM's own eager forward over dummy tokens (V1 runner), bound to this release's signature
