@@ -96,34 +96,87 @@ def main():
 
     case("warmed in another thread", warm_fn=warm_in_thread)
 
-    def capture_a_graph():
+    side = torch.cuda.Stream()
+    graphs = []  # kept alive, as vLLM keeps its graphs
+
+    def capture_a_graph(empty=True, gemm_after=False):
         """What vLLM's capture_model does in between, in small: GEMMs on a side stream, then
-        one captured into a CUDA graph (torch's recipe: warm on the side stream first)."""
-        a = torch.randn(16, SHAPES[0][0], device="cuda", dtype=DT)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for w in ws:
-                torch.mm(torch.randn(16, w.shape[1], device="cuda", dtype=DT), w.t())
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.mm(a, ws[0].t())
-        graph.replay()
-        torch.cuda.empty_cache()
+        one captured into a CUDA graph (torch's recipe: warm on the side stream first),
+        ``empty_cache``; with `gemm_after`, one GEMM at another M on the main stream, as
+        vLLM's own post-capture dummy run (at max_num_reqs tokens) does."""
+        def go():
+            a = torch.randn(16, SHAPES[0][0], device="cuda", dtype=DT)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for w in ws:
+                    torch.mm(torch.randn(16, w.shape[1], device="cuda", dtype=DT), w.t())
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch.mm(a, ws[0].t())
+            graph.replay()
+            graphs.append(graph)
+            if empty:
+                torch.cuda.empty_cache()
+            if gemm_after:
+                with torch.inference_mode():
+                    for w in ws:
+                        F.linear(torch.zeros(7, w.shape[1], device="cuda", dtype=DT), w)
+        return go
 
-    try:
-        case("after a CUDA-graph capture and empty_cache", before_probe=capture_a_graph)
-    except Exception as exc:  # noqa: BLE001 - report and go on to the allocator case
-        print(json.dumps({"case": "after a CUDA-graph capture", "error": repr(exc)}), flush=True)
+    for label, kw in (("after a CUDA-graph capture and empty_cache", {}),
+                      ("after a CUDA-graph capture, no empty_cache", {"empty": False}),
+                      ("after a CUDA-graph capture, empty_cache, GEMMs at M=7", {"gemm_after": True})):
+        try:
+            case(label, before_probe=capture_a_graph(**kw))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(json.dumps({"case": label, "error": repr(exc)}), flush=True)
 
-    # the caching allocator after empty_cache: 15 fresh 0.8 MB tensors, then the same again
-    torch.cuda.empty_cache()
+    def rewarm_after_capture(ws_, m_):
+        """Warm before the capture, capture, then warm again at the same M after it."""
+        warm(ws_, m_)
+        capture_a_graph()()
+        warm(ws_, m_)
+
+    case("warmed, captured, warmed again after the capture", warm_fn=rewarm_after_capture)
+
+    # the caching allocator after empty_cache: 15 fresh 0.8 MB tensors, then the same again;
+    # then after re-filling the cache with one large block, and with small (<= 1 MB) blocks
     shape = (200, 16, 128)
-    first = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
-    second = cpu_ms(lambda: [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)])
-    print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache", "first_ms": first,
-                      "second_ms": second}), flush=True)
+
+    def fifteen():
+        return [torch.empty(shape, device="cuda", dtype=DT) for _ in range(15)]
+
+    def refill_large():
+        del_me = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+        del del_me
+
+    def refill_small():
+        blocks = [torch.empty(1 << 20, device="cuda", dtype=torch.uint8) for _ in range(64)]
+        del blocks
+
+    for label, refill in (("", None), (", cache refilled with one 256 MB block", refill_large),
+                          (", cache refilled with 64 x 1 MB blocks", refill_small)):
+        torch.cuda.empty_cache()
+        if refill:
+            refill()
+        first = cpu_ms(fifteen)
+        second = cpu_ms(fifteen)
+        print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache" + label,
+                          "first_ms": first, "second_ms": second}), flush=True)
+
+    # first replay of a freshly captured graph of 200 small kernels against its second
+    x = torch.zeros(1024, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        for _ in range(200):
+            x.add_(1)
+    print(json.dumps({"case": "first replay of a 200-kernel graph", "first_ms": cpu_ms(g.replay),
+                      "second_ms": cpu_ms(g.replay)}), flush=True)
 
 
 if __name__ == "__main__":
