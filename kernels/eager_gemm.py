@@ -47,13 +47,20 @@ for 11 linear shapes x 2072 token counts and 2.0-2.7 s for MLA (1 shape x 2104 c
 BMMs; the token-major BMM only serves 0.33+, where vLLM writes there); the GPU time of the large
 token counts grows with the layers' sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
 
-What it does not reach: request 0 of the engine benchmark still paid about 0.15 ms per
-``torch.mm`` at M = 200, a count this family ran (calls 12 and 14). Not the layout: the
-compiled model's own GEMMs, noted from Inductor's ``extern_kernels`` over a dummy forward
-(call 14), were the contiguous ones warmed here, and warming them again that way changed
-nothing. Not a thread, a stream, the pointer alignment or ``empty_cache`` either
-(``bench/gemm_warm_match.py``). Still to test: CUDA-graph capture, which vLLM runs between
-this warmup and the first request.
+cuBLASLt's heuristics cache: cuBLAS remembers its choice per exact problem in one cache per
+process, 8192 entries by default (least recently used out first), and this family makes far
+more (tiny DeepSeek-V3.2: about 29,000). Warmed in ascending order, the small token counts
+were out of the cache again by the first request, which paid the choice once more: 0.13-0.15 ms
+per ``torch.mm`` at M = 200 in request 0 of the engine benchmark (calls 12 and 14), a count
+this family had run. Before warming on CUDA, the family raises the cache's capacity
+(``cublasLtHeuristicsCacheSetCapacity``, on the cuBLASLt library torch loaded) to what it
+warms plus the default 8192 for everything else, about 360 bytes of host memory per entry
+(tiny DeepSeek-V3.2: 38,000 entries, about 13 MB); a capacity already larger
+(``CUBLASLT_HEURISTICS_CACHE_CAPACITY``) is kept. Each step also warms its token counts from
+the largest down, so that where the capacity cannot be raised the smallest, most frequent
+counts are the ones left in the cache. Ruled out before that, on the GPU host
+(``bench/gemm_warm_match.py``): the input's layout, the thread, the stream, the pointer
+alignment, ``empty_cache`` and CUDA-graph capture.
 
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 
@@ -93,6 +100,7 @@ def plan(view, forced) -> list:
     first, last = eager_range(view)
     device_type = _device_type(view)
     steps = []
+    problems = []  # GEMM problems each step will run, for the heuristics cache
     for name, classes, method, sizes in (
             ("linear", _LINEAR, _UNQUANTIZED, token_counts(first, last)),
             ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, token_counts(1, view.max_num_reqs or 0))):
@@ -108,11 +116,17 @@ def plan(view, forced) -> list:
             steps.append(Step(name, KERNEL, skip="no token counts to warm"))
         else:
             steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
-    steps.append(_mla_step(model, view, last, device_type))
+            problems.append(len(layers) * len(sizes))
+    steps.append(_mla_step(model, view, last, device_type, problems))
+    if sum(problems):
+        steps.insert(0, Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(sum(problems)))
+                     if device_type == "cuda" else
+                     Step("heuristics_cache", "cuBLASLt heuristics cache",
+                          skip=f"runner device {device_type or 'unknown'} is not CUDA ({sum(problems)} GEMM problems)"))
     return steps
 
 
-def _mla_step(model, view, last: int, device_type: str | None) -> Step:
+def _mla_step(model, view, last: int, device_type: str | None, problems: list) -> Step:
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
@@ -125,6 +139,7 @@ def _mla_step(model, view, last: int, device_type: str | None) -> Step:
     sized = [entry for entry in sized if entry[2]]
     if not sized:
         return Step("mla_bmm", KERNEL, skip="no token counts to warm")
+    problems.append(sum((2 if _pads_heads(layer) else 3) * len(sizes) for _, layer, sizes in sized))
     return Step("mla_bmm", KERNEL, run=_warm_mla(sized))
 
 
@@ -133,7 +148,11 @@ def details() -> dict:
     if not _details:
         return {}
     parts = [f"{d['shapes']} {name} GEMM shapes x {d['counts']} token counts (M {d['M'][0]}..{d['M'][1]})"
-             for name, d in _details.items()]
+             for name, d in _details.items() if name != "heuristics_cache"]
+    cache = _details.get("heuristics_cache")
+    if cache:
+        parts.append(f"cuBLASLt heuristics cache {cache['before']} -> {cache['after']} entries"
+                     if cache["after"] is not None else f"cuBLASLt heuristics cache: {cache['reason']}")
     return {"summary": ", ".join(parts), **_details}
 
 
@@ -219,7 +238,7 @@ def _warm(name: str, layers: list, sizes: list):
             for _, layer, bias in layers:
                 weight = layer.weight
                 rows = torch.zeros((sizes[-1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
-                for m in sizes:
+                for m in reversed(sizes):  # the smallest last: the ones a full cache keeps
                     layer.quant_method.apply(layer, rows[:m], bias)
         _details[name] = {"shapes": len(layers), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
         return [f"{layer_name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
@@ -243,7 +262,7 @@ def _warm_mla(sized: list):
                 latent = torch.zeros((rows, heads * lora), dtype=uv.dtype, device=uv.device)
                 out = torch.empty((rows, heads * uv.shape[2]), dtype=uv.dtype, device=uv.device)
                 token_major = not _pads_heads(layer)
-                for m in sizes:
+                for m in reversed(sizes):
                     torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((heads, m, lora)))
                     if token_major:
                         torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((m, heads, lora)).transpose(0, 1))
@@ -255,3 +274,63 @@ def _warm_mla(sized: list):
                 for name, layer, sizes in sized]
 
     return step
+
+
+# ---------------------------------------------------------------------------- cuBLASLt heuristics cache
+
+DEFAULT_HEURISTICS_CACHE = 8192  # cuBLASLt's default capacity: room kept for everything else
+
+
+def _reserve_step(problems: int):
+    def step():
+        before, after, reason = reserve_heuristics_cache(problems + DEFAULT_HEURISTICS_CACHE)
+        _details["heuristics_cache"] = {"problems": problems, "before": before, "after": after, "reason": reason}
+        return [f"capacity {before} -> {after} ({problems} problems to warm)" if after is not None
+                else f"capacity not raised: {reason}"]
+
+    return step
+
+
+def reserve_heuristics_cache(entries: int, libraries=None) -> tuple:
+    """Raise the capacity of cuBLASLt's heuristics cache to at least `entries`, in every
+    cuBLASLt library loaded in this process (torch's). Returns (before, after, reason):
+    the capacities, or (before or None, None, why not). Never lowers a capacity."""
+    import ctypes
+
+    libs = _cublaslt_libraries() if libraries is None else libraries
+    if not libs:
+        return None, None, "no cuBLASLt library loaded"
+    befores, afters = [], []
+    for lib in libs:
+        capacity = ctypes.c_size_t()
+        if lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(capacity)) != 0:
+            return None, None, "cublasLtHeuristicsCacheGetCapacity failed"
+        befores.append(capacity.value)
+        if capacity.value < entries:
+            status = lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(entries))
+            if status != 0:
+                return capacity.value, None, f"cublasLtHeuristicsCacheSetCapacity returned status {status}"
+            lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(capacity))
+        afters.append(capacity.value)
+    return min(befores), min(afters), None
+
+
+def _cublaslt_libraries() -> list:
+    """The cuBLASLt libraries this process has loaded (from /proc/self/maps), opened again
+    by path (the same loaded copy), that have the heuristics-cache functions."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libcublasLt.so" in line})
+    except OSError:
+        return []
+    libs = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "cublasLtHeuristicsCacheSetCapacity") and hasattr(lib, "cublasLtHeuristicsCacheGetCapacity"):
+            libs.append(lib)
+    return libs

@@ -131,6 +131,27 @@ def run_case(case):
     return {"family": family, "calls": list(calls), "logs": logs, "changed": changed}
 
 
+def heuristics_cache():
+    """kwarm's capacity calls on the cuBLASLt library this torch loaded (no GPU needed); the
+    capacity is put back afterwards."""
+    import ctypes
+    from kwarm_ext.kernels import eager_gemm
+    libs = eager_gemm._cublaslt_libraries()
+    if not libs:
+        return {"libraries": 0}
+    capacity = ctypes.c_size_t()
+    libs[0].cublasLtHeuristicsCacheGetCapacity(ctypes.byref(capacity))
+    start = capacity.value
+    out = {"libraries": len(libs), "start": start,
+           "raised": eager_gemm.reserve_heuristics_cache(start + 1000),
+           "kept": eager_gemm.reserve_heuristics_cache(10),
+           "step": eager_gemm._reserve_step(5)(), "details": eager_gemm._details.get("heuristics_cache"),
+           "none": eager_gemm.reserve_heuristics_cache(10, libraries=[])}
+    for lib in libs:
+        lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(start))
+    return out
+
+
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -138,7 +159,9 @@ with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")
     init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                  local_rank=0, backend="gloo")
     initialize_model_parallel(1, 1)
-    print("RESULT " + json.dumps({name: run_case(case) for name, case in CASES.items()}))
+    results = {name: run_case(case) for name, case in CASES.items()}
+    results["heuristics_cache"] = heuristics_cache()
+    print("RESULT " + json.dumps(results))
 '''
 
 GRAPHS = {"mode": "FULL_AND_PIECEWISE", "capture": 32, "max_tokens": 200, "max_num_reqs": 4}
@@ -150,8 +173,8 @@ CASES = {
     "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"]),
     "mla_offloaded": dict(GRAPHS, layers=["mla_sparse"], device="cuda:0"),
 }
-# 33..64 one by one, then every 8th up to 200 (the largest batch)
-EAGER = list(range(33, 65)) + list(range(72, 201, 8))
+# 33..64 one by one, then every 8th up to 200 (the largest batch), warmed from the largest down
+EAGER = (list(range(33, 65)) + list(range(72, 201, 8)))[::-1]
 
 
 pytestmark = pytest.mark.parametrize("release", MATRIX)
@@ -179,7 +202,7 @@ def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_bias"} == {True}
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_skip_bias"} == {False}
     assert _ms(result, "router") == EAGER
-    assert _ms(result, "lm_head") == [1, 2, 3, 4], "the LM head at 1..max_num_seqs rows"
+    assert _ms(result, "lm_head") == [4, 3, 2, 1], "the LM head at 1..max_num_seqs rows"
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "weights and biases are only read"
     assert "M 33..200 (49 counts)" in steps["linear"]["variants"]
@@ -187,11 +210,14 @@ def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
     assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
     assert family["details"]["summary"] == ("4 linear GEMM shapes x 49 token counts (M 33..200), "
                                             "1 lm_head GEMM shapes x 4 token counts (M 1..4)")
+    # cuBLASLt's heuristics cache is raised for CUDA runners only; 4 x 49 + 1 x 4 problems
+    assert steps["heuristics_cache"]["status"] == "skipped"
+    assert steps["heuristics_cache"]["reason"] == "runner device unknown is not CUDA (200 GEMM problems)"
 
 
 def test_without_cuda_graphs_from_one_token(release):
     result = _batch(release)["no_graphs"]
-    assert _ms(result, "router") == list(range(1, 65)) + [70]
+    assert _ms(result, "router") == (list(range(1, 65)) + [70])[::-1]
 
 
 def test_no_linear_layers_is_a_skip(release):
@@ -210,7 +236,7 @@ def test_weights_off_the_runners_device_are_left_alone(release):
 
 
 # every count to 64, then every 8th up to max_num_batched_tokens: CUDA graphs do not hold the attention
-ALL_TOKENS = list(range(1, 65)) + list(range(72, 201, 8))
+ALL_TOKENS = (list(range(1, 65)) + list(range(72, 201, 8)))[::-1]
 
 
 def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dense(release):
@@ -225,13 +251,15 @@ def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dens
     assert _ms(result, "mla_sparse_twin.W_UK_T") == [], "one layer per shape"
     # dense MLA: only decode tokens, up to max_num_seqs x reorder_batch_threshold = 4 x 2;
     # padded heads: the head-major buffer only
-    assert _ms(result, "mla_dense.W_UK_T") == list(range(1, 9))
-    assert _ms(result, "mla_dense.W_UV") == list(range(1, 9))
+    assert _ms(result, "mla_dense.W_UK_T") == list(range(8, 0, -1))
+    assert _ms(result, "mla_dense.W_UV") == list(range(8, 0, -1))
     assert _ms(result, "mla_aiter.W_UK_T") == _ms(result, "mla_aiter.W_UV") == [], "AITER's BMMs are vLLM's"
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "the absorbed weights are only read"
     assert "mla_dense W_UK_T (4, 16, 32) W_UV (4, 32, 16): B 1..8 (8 counts)" in steps["mla_bmm"]["variants"]
     assert result["family"]["details"]["mla_bmm"] == {"shapes": 2, "counts": 81, "M": [1, 200]}
+    # sparse: 3 BMMs x 81 counts; dense with padded heads: 2 x 8
+    assert steps["heuristics_cache"]["reason"] == "runner device unknown is not CUDA (259 GEMM problems)"
 
 
 def test_mla_weights_off_the_runners_device_are_left_alone(release):
@@ -239,3 +267,17 @@ def test_mla_weights_off_the_runners_device_are_left_alone(release):
     steps = {s["name"]: s for s in result["family"]["steps"]}
     assert result["calls"] == []
     assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
+
+
+def test_heuristics_cache_capacity_is_raised_never_lowered(release):
+    """The real cuBLASLt library of the installed torch (its capacity calls need no GPU)."""
+    cache = _batch(release)["heuristics_cache"]
+    if not cache["libraries"]:
+        pytest.skip("this torch loads no cuBLASLt library (a CPU-only build)")
+    start, (before, raised, reason) = cache["start"], cache["raised"]
+    # cuBLASLt may round a capacity up (to a multiple of 1024 in CUDA 13's)
+    assert before == start and start + 1000 <= raised < start + 1000 + 4096 and reason is None
+    assert cache["kept"] == [raised, raised, None], "a larger capacity is kept"
+    assert cache["step"] == [f"capacity {raised} -> {raised} (5 problems to warm)"]
+    assert cache["details"] == {"problems": 5, "before": raised, "after": raised, "reason": None}
+    assert cache["none"] == [None, None, "no cuBLASLt library loaded"]
