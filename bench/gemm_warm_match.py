@@ -12,7 +12,9 @@ input not 256-byte aligned, after ``torch.cuda.empty_cache()`` (vLLM empties the
 CUDA-graph capture, after kwarm's warmup), and after capturing a CUDA graph (vLLM captures
 its graphs between kwarm's warmup and the first request; this case came after the run in
 ``bench/results/gemm-warm-match-h200``). It also times fresh allocations after
-``empty_cache``. Not part of kwarm.
+``empty_cache`` (and after refilling the small pool), the first replay of a CUDA graph, and a
+warmed problem after 9,000 others, with cuBLASLt's heuristics cache at its default capacity
+and raised by kwarm's ``eager_gemm`` (needs kwarm installed). Not part of kwarm.
 """
 import json
 import threading
@@ -164,6 +166,29 @@ def main():
         second = cpu_ms(fifteen)
         print(json.dumps({"case": "15 x torch.empty 0.8 MB after empty_cache" + label,
                           "first_ms": first, "second_ms": second}), flush=True)
+
+    # cuBLASLt's heuristics cache (8192 entries by default, least recently used out first):
+    # warm M for the 5 shapes, then 9,000 other problems, then the first call at M again;
+    # then the same after kwarm's eager_gemm raised the capacity (kwarm installed)
+    def evicted(label, m, others_from):
+        warm(ws, m)
+        with torch.inference_mode():
+            for w in ws:
+                rows = torch.zeros(others_from + 1800, w.shape[1], device="cuda", dtype=DT)
+                for o in range(others_from, others_from + 1800):
+                    F.linear(rows[:o], w)
+        first, second = probe(ws, m, contiguous)
+        print(json.dumps({"case": label, "M": m, "first_ms": first, "second_ms": second}), flush=True)
+
+    evicted("warmed, then 9000 other GEMM problems (default heuristics cache)", 400, 2000)
+    try:
+        from kwarm_ext.kernels.eager_gemm import reserve_heuristics_cache
+    except ImportError as exc:
+        print(json.dumps({"case": "heuristics cache raised", "error": repr(exc)}), flush=True)
+    else:
+        print(json.dumps({"case": "reserve_heuristics_cache(40000)",
+                          "before_after_reason": reserve_heuristics_cache(40000)}), flush=True)
+        evicted("warmed, then 9000 other GEMM problems (heuristics cache raised to 40000)", 410, 4000)
 
     # first replay of a freshly captured graph of 200 small kernels against its second
     x = torch.zeros(1024, device="cuda")
