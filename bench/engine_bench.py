@@ -39,6 +39,7 @@ import cProfile
 import dataclasses
 import fcntl
 import functools
+import gc
 import json
 import os
 import pstats
@@ -293,6 +294,33 @@ def activate_kwarm(mode: str) -> dict:
 
 
 # ------------------------------------------------------------------------ measuring
+
+class GcTimer:
+    """Python's garbage-collector passes (``gc.callbacks``), any thread: per generation, how
+    many and how long. A full pass can cost milliseconds wherever it lands, which a profile
+    charges to the function that happened to be running."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            generation = info.get("generation", 2)
+            self.counts[generation] += 1
+            self.seconds[generation] += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def snapshot(self):
+        return list(self.counts), list(self.seconds)
+
+    def since(self, snap) -> dict:
+        counts, seconds = snap
+        return {"passes": [a - b for a, b in zip(self.counts, counts)],
+                "ms": [round((a - b) * 1e3, 3) for a, b in zip(self.seconds, seconds)]}
+
 
 class JitCounter:
     """A ``jit_post_compile_hook`` that records each in-memory compile and calls the hook
@@ -664,6 +692,7 @@ def main(argv=None) -> int:
           f"kwarm warmup {result['kwarm_warmup_s']} s", flush=True)
 
     counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
+    gc_timer = GcTimer()
     with lock.exclusive() as requests_wait_s:  # no other engine initializes or measures meanwhile
         if result["sync"]:
             result["sync"]["requests_wait_s"] = round(requests_wait_s, 3)
@@ -674,21 +703,24 @@ def main(argv=None) -> int:
             dg0 = deepgemm_entries(dg_dir)
             n0 = len(counter.events)
             profiler = cProfile.Profile() if i in args.profile else None
+            gc0 = gc_timer.snapshot()
             t = time.perf_counter()
             with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
                 extra = run_request(llm, req, i)
             s = time.perf_counter() - t
+            gc_passes = gc_timer.since(gc0)
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
             events = counter.events[n0:]
             requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), **extra})
+                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
-                  f"{sorted({e['name'] for e in events})}", flush=True)
+                  f"{sorted({e['name'] for e in events})}, gc passes {gc_passes['passes']} "
+                  f"{sum(gc_passes['ms']):.2f} ms", flush=True)
             if profile is not None:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
