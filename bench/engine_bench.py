@@ -45,6 +45,7 @@ import os
 import pstats
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -170,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
                         "requests, so that engines sharing a GPU never measure while another one "
                         "initializes or measures")
+    p.add_argument("--settle-s", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds before request 0 (after taking the --sync-lock): lets the "
+                        "engine's own start-up threads and another engine's exit finish, as a served "
+                        "engine's first request rarely arrives the moment it is ready")
     return p.parse_args(argv)
 
 
@@ -698,24 +703,30 @@ def main(argv=None) -> int:
             result["sync"]["requests_wait_s"] = round(requests_wait_s, 3)
             print(f"engine_bench: waited {init_wait_s:.1f} s (init) + {requests_wait_s:.1f} s (requests) "
                   f"for {args.sync_lock}", flush=True)
+        if args.settle_s > 0:
+            time.sleep(args.settle_s)
+        result["threads_at_request0"] = sorted(t.name for t in threading.enumerate())
         for i, req in enumerate(scenario):
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])
             dg0 = deepgemm_entries(dg_dir)
             n0 = len(counter.events)
             profiler = cProfile.Profile() if i in args.profile else None
             gc0 = gc_timer.snapshot()
+            cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
             with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
                 extra = run_request(llm, req, i)
             s = time.perf_counter() - t
             gc_passes = gc_timer.since(gc0)
+            # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
+            cpu = {"process_s": round(time.process_time() - cpu0[0], 4), "thread_s": round(time.thread_time() - cpu0[1], 4)}
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
             events = counter.events[n0:]
             requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, **extra})
+                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
