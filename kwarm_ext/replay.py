@@ -57,6 +57,7 @@ class ReplayState:
     already: int = 0  # entries already compiled in this process
     not_chosen: int = 0  # autotune configs the recorded choices did not pick
     seeded: int = 0
+    key_cache_seeded: int = 0  # replayed keys mapped from their specialization (kernel_key_cache)
     loaded: int = 0
     binder: str = "not primed"
 
@@ -82,7 +83,8 @@ class ReplayState:
     def details(self) -> dict:
         return {"summary": self.summary(), "manifest": self.path, "refused": self.refused,
                 "replayed": len(self.compiled), "already_compiled": self.already,
-                "not_chosen": self.not_chosen, "autotune_seeded": self.seeded, "loaded": self.loaded,
+                "not_chosen": self.not_chosen, "autotune_seeded": self.seeded,
+                "key_cache_seeded": self.key_cache_seeded, "loaded": self.loaded,
                 "binder": self.binder, "threads": self.threads,
                 "skipped": [dataclasses.asdict(s) for s in self.skipped]}
 
@@ -302,6 +304,10 @@ def _settle(state: ReplayState, job, result) -> None:
     if why:
         return state.skip(job.label, "compile failed", why)
     state.compiled.append((job.label, kernel))
+    try:
+        state.key_cache_seeded += triton_compat.seed_key_cache(job.jit, job.key)
+    except Exception as exc:  # an optimization only: the launch builds the key itself
+        logger.debug("kwarm: replay could not seed the key cache for %s: %r", job.label, exc)
     return None
 
 

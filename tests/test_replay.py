@@ -65,9 +65,16 @@ before = [m for m in ("triton.tools.tensor_descriptor",) if m in sys.modules]
 report = warmup.run(stand_in_worker())
 binder = [m for m in ("triton.tools.tensor_descriptor", "triton.experimental.gluon.nvidia.hopper")
           if m in sys.modules]
+def key_caches():
+    kernels = {"copy": rk.copy_kernel, "heuristic": rk.heuristic_kernel.fn, "tuned": rk.tuned_kernel.fn,
+               "apply": rk.apply_kernel}
+    return {name: len(jit.device_caches[triton_compat.current_device()][1]) for name, jit in kernels.items()}
+keys_before = key_caches()
 with monitor.capture() as compiled:
     rk.launch_all()                          # the same launches, after replay
+keys_after = key_caches()
 out = {"replay": replay_family(report), "compiled_after": [(c.name, c.key) for c in compiled],
+       "key_cache_before": keys_before, "key_cache_added": {k: keys_after[k] - keys_before[k] for k in keys_after},
        "binder_before": before, "binder_after": binder,
        "tuned_cache": {str(k): rk.TUNE_CONFIGS.index(v) for k, v in rk.tuned_kernel.cache.items()}}
 if os.environ.get("PRETEND_GPU"):
@@ -136,6 +143,10 @@ def test_replay_in_a_fresh_process_leaves_nothing_to_compile(learned, tmp_path):
     # the binder's one-time imports were paid during replay, not by the first launch
     assert out["binder_before"] == [] and len(out["binder_after"]) == 2
     assert details["binder"] == "primed by warmup"
+    # the launches found their in-memory keys already mapped from their specialization, except
+    # the kernel whose specialization holds a jitted function (its key text is the hash)
+    assert details["key_cache_seeded"] == 8
+    assert out["key_cache_added"] == {"copy": 0, "heuristic": 0, "tuned": 0, "apply": 1}
     summary = [line for line in proc.stdout.splitlines() if "warmup done" in line]
     assert len(summary) == 1
     assert "replay" in summary[0] and "9 replayed, 1 unchosen autotune configs left out, 2 autotune choices seeded" \
@@ -276,3 +287,21 @@ def test_load_step_falls_back_to_one_thread_when_a_thread_cannot_take_the_device
     kernels = [_Kernel(f"k{i}") for i in range(3)]
     assert triton_compat.init_handles_each(kernels, threads=4) == [None, None, None]
     assert {k.thread for k in kernels} == {threading.current_thread().name}
+
+
+def test_key_cache_seeding_reads_back_only_keys_that_print_the_same(monkeypatch):
+    """``seed_key_cache`` on a stand-in JITFunction's ``device_caches`` (the current device
+    comes from the GPU driver, stood in for)."""
+    from kwarm_ext import triton_compat
+
+    monkeypatch.setattr(triton_compat, "current_device", lambda: 0)
+    jit = type("Jit", (), {})()
+    jit.device_caches = {0: ({}, {}, "target", "backend", "binder")}
+    plain = "[('*fp16', 'D'), ('i32', ''), ('constexpr', 64)]{'debug': False, 'num_warps': 4}"
+    assert triton_compat.seed_key_cache(jit, plain) is True
+    spec = (("*fp16", "D"), ("i32", ""), ("constexpr", 64))
+    assert jit.device_caches[0][1] == {(spec, "{'debug': False, 'num_warps': 4}"): plain}
+    function = "[('constexpr', '" + "a" * 64 + "')]{'debug': False}"
+    for key in (function, "[('x', <object>)]{'debug': False}", "no options at all", "[('constexpr', 1.0e3)]{}"):
+        assert triton_compat.seed_key_cache(jit, key) is False, key
+    assert len(jit.device_caches[0][1]) == 1
