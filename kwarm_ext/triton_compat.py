@@ -179,16 +179,23 @@ def launch_options(key: str) -> dict:
     The key's options are what the launch passed (``num_warps=``, ... in call order, plus
     ``debug``/``instrumentation_mode``); replay compiles with exactly these, so that
     ``parse_options`` fills in the current GPU instead of the recording's."""
+    for _, _, options in _key_splits(key):
+        return options
+    raise ValueError("the key does not end with a readable options dict")
+
+
+def _key_splits(key: str):
+    """Each way, last first, to read an in-memory key as ``spec_text + options_text`` whose
+    options part is a readable dict: yields (spec_text, options_text, options)."""
     start = key.rfind("]{")
     while start != -1:
         try:
             options = ast.literal_eval(key[start + 1:])
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             options = None
         if isinstance(options, dict):
-            return options
+            yield key[:start + 1], key[start + 1:], options
         start = key.rfind("]{", 0, start)
-    raise ValueError("the key does not end with a readable options dict")
 
 
 def encode_constant(value):
@@ -482,21 +489,19 @@ def seed_key_cache(jit, key: str) -> bool:
     caches = jit.device_caches[current_device()]
     if len(caches) < 2 or not isinstance(caches[1], dict):
         return False
-    start = key.rfind("]{")
-    while start != -1:
-        spec_text, options_text = key[:start + 1], key[start + 1:]
+    for spec_text, options_text, _ in _key_splits(key):
         try:
-            spec, options = ast.literal_eval(spec_text), ast.literal_eval(options_text)
+            spec = ast.literal_eval(spec_text)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            spec = options = None
-        if isinstance(spec, list) and isinstance(options, dict) and str(spec) == spec_text:
-            if any(_is_hash(value) for value in _leaves(spec)):
-                return False
-            try:
-                return caches[1].setdefault((tuple(spec), options_text), key) == key
-            except TypeError:  # an unhashable element: no launch can look it up either
-                return False
-        start = key.rfind("]{", 0, start)
+            continue
+        if not isinstance(spec, list) or str(spec) != spec_text:
+            continue
+        if any(_is_hash(value) for value in _leaves(spec)):
+            return False
+        try:
+            return caches[1].setdefault((tuple(spec), options_text), key) == key
+        except TypeError:  # an unhashable element: no launch can look it up either
+            return False
     return False
 
 
