@@ -121,10 +121,7 @@ def plan(view, forced) -> list:
             problems.append(len(layers) * len(sizes))
     steps.append(_mla_step(model, view, last, device_type, problems))
     if sum(problems):
-        steps.insert(0, Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(sum(problems)))
-                     if device_type == "cuda" else
-                     Step("heuristics_cache", "cuBLASLt heuristics cache",
-                          skip=f"runner device {device_type or 'unknown'} is not CUDA ({sum(problems)} GEMM problems)"))
+        steps.insert(0, _cache_step(sum(problems), device_type))
     return steps
 
 
@@ -281,6 +278,14 @@ def _warm_mla(sized: list):
 # ---------------------------------------------------------------------------- cuBLASLt heuristics cache
 
 DEFAULT_HEURISTICS_CACHE = 8192  # cuBLASLt's default capacity: room kept for everything else
+
+
+def _cache_step(problems: int, device_type: str | None) -> Step:
+    """First step: room in cuBLASLt's heuristics cache for the `problems` the others warm."""
+    if device_type != "cuda":
+        return Step("heuristics_cache", "cuBLASLt heuristics cache",
+                    skip=f"runner device {device_type or 'unknown'} is not CUDA ({problems} GEMM problems)")
+    return Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(problems))
 
 
 def _reserve_step(problems: int):
