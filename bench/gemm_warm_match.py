@@ -70,7 +70,6 @@ def main():
     torch.randn(8, 8, device="cuda") @ torch.randn(8, 8, device="cuda")
     ws = weights()
     warm(ws, 100)
-    cases = []
     m = 200
 
     def case(name, make_input=contiguous, warm_fn=warm, before_probe=None, stream=None):
@@ -81,9 +80,8 @@ def main():
         if before_probe:
             before_probe()
         first, second = probe(ws, m, make_input, stream)
-        row = {"case": name, "M": m, "first_ms": first, "second_ms": second, "never_warmed_first_ms": cold[0]}
-        cases.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({"case": name, "M": m, "first_ms": first, "second_ms": second,
+                          "never_warmed_first_ms": cold[0]}), flush=True)
 
     case("control: warmed by F.linear, called by mm(out=)")
     case("input with a padded row stride", padded)

@@ -119,27 +119,30 @@ def plan(view, forced) -> list:
         else:
             steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
             problems.append(len(layers) * len(sizes))
-    steps.append(_mla_step(model, view, last, device_type, problems))
+    mla, mla_problems = _mla_step(model, view, last, device_type)
+    steps.append(mla)
+    problems.append(mla_problems)
     if sum(problems):
         steps.insert(0, _cache_step(sum(problems), device_type))
     return steps
 
 
-def _mla_step(model, view, last: int, device_type: str | None, problems: list) -> Step:
+def _mla_step(model, view, last: int, device_type: str | None) -> tuple:
+    """(the ``mla_bmm`` step, the number of BMM problems it runs)."""
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
-        return Step("mla_bmm", KERNEL, skip=str(exc))
+        return Step("mla_bmm", KERNEL, skip=str(exc)), 0
     if not layers:
-        return Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights")
+        return Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights"), 0
     decode_rows = (view.max_num_reqs or 0) * _int(getattr(view.runner, "reorder_batch_threshold", None), 1)
     sized = [(name, layer, token_counts(1, last if _sparse(layer) else min(last, decode_rows)))
              for name, layer in layers]
     sized = [entry for entry in sized if entry[2]]
     if not sized:
-        return Step("mla_bmm", KERNEL, skip="no token counts to warm")
-    problems.append(sum((2 if _pads_heads(layer) else 3) * len(sizes) for _, layer, sizes in sized))
-    return Step("mla_bmm", KERNEL, run=_warm_mla(sized))
+        return Step("mla_bmm", KERNEL, skip="no token counts to warm"), 0
+    problems = sum((2 if _pads_heads(layer) else 3) * len(sizes) for _, layer, sizes in sized)
+    return Step("mla_bmm", KERNEL, run=_warm_mla(sized)), problems
 
 
 def details() -> dict:

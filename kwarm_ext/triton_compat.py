@@ -21,6 +21,8 @@ from typing import Any, Callable
 # Constant encodings that JSON cannot carry as-is; preload cannot decode these, so
 # replay injects the decoded objects itself (see _injecting_constants).
 OBJECT_TAGS = ("jit_function", "torch_dtype", "tuple", "str")
+# what ast.literal_eval raises on a text that is not a Python literal (or too deep / too big)
+_LITERAL_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)
 
 
 class Unresolvable(LookupError):
@@ -191,7 +193,7 @@ def _key_splits(key: str):
     while start != -1:
         try:
             options = ast.literal_eval(key[start + 1:])
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        except _LITERAL_ERRORS:
             options = None
         if isinstance(options, dict):
             yield key[:start + 1], key[start + 1:], options
@@ -483,16 +485,16 @@ def seed_key_cache(jit, key: str) -> bool:
 
     That dict maps ``(tuple(specialization), str(options))`` to ``str(specialization) +
     str(options)``, the in-memory key, so the specialization is read back from the key's own
-    text. Only a text that prints back the same is used: an entry whose specialization held a
-    jitted function (its text is the function's hash) can never match a launch, and a hit
-    always returns the key Triton would have built. Returns whether an entry was added."""
+    text. Only a text that prints back the same is used, and none whose specialization held a
+    jitted function (its text is the function's hash, which no launch's specialization holds):
+    a hit always returns the key Triton would have built. Returns whether an entry was added."""
     caches = jit.device_caches[current_device()]
     if len(caches) < 2 or not isinstance(caches[1], dict):
         return False
     for spec_text, options_text, _ in _key_splits(key):
         try:
             spec = ast.literal_eval(spec_text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        except _LITERAL_ERRORS:
             continue
         if not isinstance(spec, list) or str(spec) != spec_text:
             continue

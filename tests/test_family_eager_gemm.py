@@ -185,6 +185,11 @@ def _batch(release: str) -> dict:
     return run_cases(SCENARIO, CASES, release)
 
 
+def _steps(result) -> dict:
+    """The family's steps in `result`, by name."""
+    return {s["name"]: s for s in result["family"]["steps"]}
+
+
 def _ms(result, layer):
     return [c["M"] for c in result["calls"] if c["layer"] == layer]
 
@@ -193,7 +198,7 @@ def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
     result = _batch(release)["model"]
     family = result["family"]
     assert family["status"] == "ran", family
-    steps = {s["name"]: s for s in family["steps"]}
+    steps = _steps(result)
     assert steps["linear"]["status"] == steps["lm_head"]["status"] == "ran"
     # column and its twin share a shape: only the first is called; a bias the layer adds
     # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
@@ -221,18 +226,20 @@ def test_without_cuda_graphs_from_one_token(release):
 
 
 def test_no_linear_layers_is_a_skip(release):
-    steps = {s["name"]: s for s in _batch(release)["no_linear"]["family"]["steps"]}
+    steps = _steps(_batch(release)["no_linear"])
     assert steps["linear"]["status"] == "skipped" and steps["linear"]["reason"] == "no unquantized linear layers"
     assert steps["lm_head"]["reason"] == "no unquantized lm_head layers"
 
 
-def test_weights_off_the_runners_device_are_left_alone(release):
-    """A weight offloaded to the CPU is not warmed on a CUDA runner."""
-    result = _batch(release)["offloaded"]
-    steps = {s["name"]: s for s in result["family"]["steps"]}
+@pytest.mark.parametrize("case, reasons", [
+    ("offloaded", {"linear": "no unquantized linear layers on cuda", "lm_head": "no unquantized lm_head layers on cuda"}),
+    ("mla_offloaded", {"mla_bmm": "no MLA layers with absorbed cuBLAS weights"}),
+])
+def test_weights_off_the_runners_device_are_left_alone(release, case, reasons):
+    """A weight offloaded to the CPU (linear layers, LM head, MLA) is not warmed on a CUDA runner."""
+    result = _batch(release)[case]
     assert result["calls"] == []
-    assert steps["linear"]["reason"] == "no unquantized linear layers on cuda"
-    assert steps["lm_head"]["reason"] == "no unquantized lm_head layers on cuda"
+    assert {name: _steps(result)[name]["reason"] for name in reasons} == reasons
 
 
 # every count to 64, then every 8th up to max_num_batched_tokens: CUDA graphs do not hold the attention
@@ -241,7 +248,7 @@ ALL_TOKENS = (list(range(1, 65)) + list(range(72, 201, 8)))[::-1]
 
 def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dense(release):
     result = _batch(release)["mla"]
-    steps = {s["name"]: s for s in result["family"]["steps"]}
+    steps = _steps(result)
     assert steps["mla_bmm"]["status"] == "ran", steps["mla_bmm"]
     # sparse MLA (DSA): every token takes the absorbed path, so B runs over all token counts;
     # the query's BMM into both output layouts (no padded heads), the layer's own _v_up_proj
@@ -260,13 +267,6 @@ def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dens
     assert result["family"]["details"]["mla_bmm"] == {"shapes": 2, "counts": 81, "M": [1, 200]}
     # sparse: 3 BMMs x 81 counts; dense with padded heads: 2 x 8
     assert steps["heuristics_cache"]["reason"] == "runner device unknown is not CUDA (259 GEMM problems)"
-
-
-def test_mla_weights_off_the_runners_device_are_left_alone(release):
-    result = _batch(release)["mla_offloaded"]
-    steps = {s["name"]: s for s in result["family"]["steps"]}
-    assert result["calls"] == []
-    assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
 
 
 def test_heuristics_cache_capacity_is_raised_never_lowered(release):

@@ -74,7 +74,7 @@ with monitor.capture() as compiled:
     rk.launch_all()                          # the same launches, after replay
 keys_after = key_caches()
 out = {"replay": replay_family(report), "compiled_after": [(c.name, c.key) for c in compiled],
-       "key_cache_before": keys_before, "key_cache_added": {k: keys_after[k] - keys_before[k] for k in keys_after},
+       "key_cache_added": {k: keys_after[k] - keys_before[k] for k in keys_after},
        "binder_before": before, "binder_after": binder,
        "tuned_cache": {str(k): rk.TUNE_CONFIGS.index(v) for k, v in rk.tuned_kernel.cache.items()}}
 if os.environ.get("PRETEND_GPU"):
