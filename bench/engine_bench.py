@@ -327,6 +327,73 @@ class GcTimer:
                 "ms": [round((a - b) * 1e3, 3) for a, b in zip(self.seconds, seconds)]}
 
 
+class HostCounters:
+    """What the host did to this thread during one request, to tell a slow request from a
+    slow host. Request time is CPU time of this thread (``cpu`` above), so the host's share
+    hides in it: hypervisor steal (``/proc/stat``, all CPUs, in ms), this thread's context
+    switches and page faults (``getrusage(RUSAGE_THREAD)``), and, where the kernel exposes
+    them (``perf_event_open``; many VMs do not), the user-mode cycles and instructions this
+    thread retired. Instructions do not move with clock speed, steal or cache misses, so
+    their ratio says whether request 0 did more work than its repeat."""
+
+    PERF_EVENTS = {"cycles": 0, "instructions": 1}  # PERF_TYPE_HARDWARE configs
+    SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+
+    def __init__(self):
+        import resource
+        self._resource = resource
+        self.fds: dict[str, int] = {}
+        self.perf_error = self._open_perf()
+
+    def _open_perf(self) -> str | None:
+        import ctypes
+        import platform
+        import struct
+        number = self.SYS_PERF_EVENT_OPEN.get(platform.machine())
+        if number is None:
+            return f"no perf_event_open number for {platform.machine()}"
+        libc = ctypes.CDLL(None, use_errno=True)
+        for name, config in self.PERF_EVENTS.items():
+            attr = bytearray(128)  # struct perf_event_attr, PERF_ATTR_SIZE_VER7 fits in 128
+            struct.pack_into("IIQ", attr, 0, 0, len(attr), config)
+            struct.pack_into("Q", attr, 40, (1 << 5) | (1 << 6))  # exclude_kernel, exclude_hv
+            fd = libc.syscall(number, (ctypes.c_char * len(attr)).from_buffer(attr), 0, -1, -1, 0)
+            if fd < 0:
+                self.close()
+                return f"perf_event_open({name}): {os.strerror(ctypes.get_errno())}"
+            self.fds[name] = fd
+        return None
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+    @staticmethod
+    def _steal_ms() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+            return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")  # cpu user nice system idle iowait irq softirq steal
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def snapshot(self):
+        usage = self._resource.getrusage(self._resource.RUSAGE_THREAD)
+        perf = {name: int.from_bytes(os.read(fd, 8), "little") for name, fd in self.fds.items()}
+        return usage, self._steal_ms(), perf
+
+    def since(self, snap) -> dict:
+        usage0, steal0, perf0 = snap
+        usage, steal, perf = self.snapshot()
+        out = {"nvcsw": usage.ru_nvcsw - usage0.ru_nvcsw, "nivcsw": usage.ru_nivcsw - usage0.ru_nivcsw,
+               "minflt": usage.ru_minflt - usage0.ru_minflt, "majflt": usage.ru_majflt - usage0.ru_majflt,
+               "steal_ms": None if steal is None or steal0 is None else round(steal - steal0, 1)}
+        if self.fds:
+            out.update({name: perf[name] - perf0[name] for name in self.fds})
+        return out
+
+
 class JitCounter:
     """A ``jit_post_compile_hook`` that records each in-memory compile and calls the hook
     it replaced (vLLM's JIT monitor chains the same slot and raises in its error mode:
@@ -687,6 +754,7 @@ def main(argv=None) -> int:
         result["pairs"] = [{"first": f, "repeat": r, "ratio": table.pair_ratio(result, f)}
                            for f, r in table.pairs(result)]
         result["first_steady_ratio"] = table.first_steady_ratio(result)
+        result["first_steady_counters"] = table.first_steady_counters(result)
         result["wall_s"] = round(time.time() - started, 1)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=str))
@@ -698,6 +766,8 @@ def main(argv=None) -> int:
 
     counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
     gc_timer = GcTimer()
+    host = HostCounters()
+    result["perf_counters"] = sorted(host.fds) or host.perf_error
     with lock.exclusive() as requests_wait_s:  # no other engine initializes or measures meanwhile
         if result["sync"]:
             result["sync"]["requests_wait_s"] = round(requests_wait_s, 3)
@@ -712,12 +782,14 @@ def main(argv=None) -> int:
             n0 = len(counter.events)
             profiler = cProfile.Profile() if i in args.profile else None
             gc0 = gc_timer.snapshot()
+            host0 = host.snapshot()
             cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
             with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
                 extra = run_request(llm, req, i)
             s = time.perf_counter() - t
             gc_passes = gc_timer.since(gc0)
+            host_delta = host.since(host0)
             # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
             cpu = {"process_s": round(time.process_time() - cpu0[0], 4), "thread_s": round(time.thread_time() - cpu0[1], 4)}
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
@@ -726,22 +798,24 @@ def main(argv=None) -> int:
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, **extra})
+                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, "host": host_delta, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
                   f"{sorted({e['name'] for e in events})}, gc passes {gc_passes['passes']} "
-                  f"{sum(gc_passes['ms']):.2f} ms", flush=True)
+                  f"{sum(gc_passes['ms']):.2f} ms, host {host_delta}", flush=True)
             if profile is not None:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
                       f"{format_profile(profile['top_cumtime'])}", flush=True)
             write()
+    host.close()
     result["complete"] = True
     write()
     print(f"engine_bench: wrote {out}")
     print(f"engine_bench: request JIT {result['total_jit']}, "
-          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}")
+          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}"
+          + "".join(f", {name} {ratio:.3f}" for name, ratio in result["first_steady_counters"].items()))
     if cache["fresh_root"]:
         print(f"engine_bench: warm rerun: VLLM_CACHE_ROOT={cache['vllm_cache_root']} "
               f"TORCHINDUCTOR_CACHE_DIR={cache['inductor_dir']} "

@@ -79,6 +79,18 @@ def first_steady_ratio(run: dict) -> float | None:
     return pair_ratio(run, 0)
 
 
+def first_steady_counters(run: dict) -> dict[str, float]:
+    """Request 0 / its repeat in the thread's hardware counters (engine_bench's ``host``),
+    for those this host exposed: {"cycles": r, "instructions": r}."""
+    by_index = {r["i"]: r for r in run["requests"]}
+    for f, rep in pairs(run):
+        if f == 0:
+            a, b = by_index[f].get("host") or {}, by_index[rep].get("host") or {}
+            return {name: a[name] / b[name] for name in ("cycles", "instructions")
+                    if a.get(name) and b.get(name)}
+    return {}
+
+
 def total_jit(run: dict) -> int:
     return sum(r["jit"] for r in run["requests"])
 

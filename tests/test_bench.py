@@ -70,6 +70,15 @@ def test_fixture_row_ratio_and_totals(run):
     assert table.pair_ratio(run, 4) is None  # 1x37 has no repeat
 
 
+def test_first_steady_counters(run):
+    assert table.first_steady_counters(run) == {}  # older results have no "host"
+    run["requests"][0]["host"] = {"cycles": 300, "instructions": 220, "steal_ms": 0.0}
+    run["requests"][1]["host"] = {"cycles": 200, "instructions": 200, "steal_ms": 0.0}
+    assert table.first_steady_counters(run) == {"cycles": 1.5, "instructions": 1.1}
+    del run["requests"][1]["host"]["cycles"]  # a host without hardware counters
+    assert table.first_steady_counters(run) == {"instructions": 1.1}
+
+
 def test_ratio_and_totals_come_from_the_requests(run):
     run["first_steady_ratio"], run["total_jit"] = 999.0, 999
     run["requests"][1]["s"] = 0.5
@@ -152,6 +161,19 @@ def test_fmt_s_like_the_baseline():
 
 
 # ---------------------------------------------------------------------- engine_bench
+
+def test_host_counters_count_this_threads_page_faults():
+    host = engine_bench.HostCounters()
+    try:
+        assert bool(host.fds) != bool(host.perf_error)  # counters, or the reason there are none
+        snap = host.snapshot()
+        block = bytearray(64 << 20)  # touching 64 MiB of new pages faults them in
+        delta = host.since(snap)
+    finally:
+        host.close()
+    assert len(block) and delta["minflt"] >= 1000
+    assert delta["steal_ms"] is None or delta["steal_ms"] >= 0
+    assert all(delta[name] > 0 for name in host.PERF_EVENTS if name in delta)
 
 def test_import_needs_no_vllm_torch_triton():
     code = ("import sys; sys.path.insert(0, %r); import engine_bench, table; "
