@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -480,23 +481,21 @@ def seed_key_cache(jit, key: str) -> bool:
     """Map the launch arguments' specialization to `key` in `jit`'s ``kernel_key_cache``, the
     dict ``compute_cache_key`` (3.4+) consults before building a key string, so that the first
     launch of a replayed kernel skips that build (``replace_callables`` over the
-    specialization): 220 such first launches cost 0.7 ms in request 0 of tiny Qwen3-Next
-    (engine benchmark, call 16), none in its repeat.
+    specialization): one such build cost 0.5 ms of request 0 on tiny Qwen3-Next (engine
+    benchmark, calls 16 and 21), none in its repeat.
 
     That dict maps ``(tuple(specialization), str(options))`` to ``str(specialization) +
     str(options)``, the in-memory key, so the specialization is read back from the key's own
-    text. Only a text that prints back the same is used, and none whose specialization held a
-    jitted function (its text is the function's hash, which no launch's specialization holds):
-    a hit always returns the key Triton would have built. Returns whether an entry was added."""
+    text (:func:`_read_specialization`). Only a text that prints back the same is used, and
+    none whose specialization held a jitted function (its text is the function's hash, which
+    no launch's specialization holds): a hit returns the key Triton would have built. Returns
+    whether an entry was added."""
     caches = jit.device_caches[current_device()]
     if len(caches) < 2 or not isinstance(caches[1], dict):
         return False
     for spec_text, options_text, _ in _key_splits(key):
-        try:
-            spec = ast.literal_eval(spec_text)
-        except _LITERAL_ERRORS:
-            continue
-        if not isinstance(spec, list) or str(spec) != spec_text:
+        spec = _read_specialization(spec_text)
+        if spec is None:
             continue
         if any(_is_hash(value) for value in _leaves(spec)):
             return False
@@ -505,6 +504,41 @@ def seed_key_cache(jit, key: str) -> bool:
         except TypeError:  # an unhashable element: no launch can look it up either
             return False
     return False
+
+
+# An IntEnum constexpr prints as its repr (vLLM's KVQuantMode in unified attention)
+_INT_ENUM_REPR = re.compile(r"<[A-Za-z_][\w.]*: (-?\d+)>")
+
+
+def _read_specialization(text: str) -> list | None:
+    """The specialization list whose ``str`` is `text`, or None.
+
+    Python literals, plus two constexpr kinds vLLM's kernels take that print as code:
+    a ``triton.language`` dtype (``compute_type`` of fused MoE) reads back as that dtype,
+    and an IntEnum member (``<KVQuantMode.NONE: 0>``) as its value, which it equals and
+    hashes like; a manifest only holds such members as ints (JSON), so the member's class
+    is not known here. A launch passing the plain value then finds the same key, as it
+    does in Triton's own key cache once the member has launched."""
+    plain = _INT_ENUM_REPR.sub(r"\1", text)
+    try:
+        spec = _literal_or_dtype(ast.parse(plain, mode="eval").body)
+    except _LITERAL_ERRORS:
+        return None
+    return spec if isinstance(spec, list) and str(spec) == plain else None
+
+
+def _literal_or_dtype(node):
+    if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "triton.language":
+        import triton.language as tl
+
+        dtype = getattr(tl, node.attr, None)
+        if isinstance(dtype, tl.dtype):
+            return dtype
+        raise ValueError(f"not a triton.language dtype: {node.attr}")
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_literal_or_dtype(item) for item in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    return ast.literal_eval(node)
 
 
 def _leaves(value):

@@ -1,6 +1,7 @@
 """Kernels for the learn-and-replay tests (a plain, a ``@triton.heuristics`` and a
-``@triton.autotune`` kernel, plus one taking a jitted function as a constexpr), and the
-stub that stands in for the GPU driver.
+``@triton.autotune`` kernel, one taking a jitted function as a constexpr, and one taking an
+IntEnum member and a ``triton.language`` dtype, as vLLM's unified attention and fused MoE
+do), and the stub that stands in for the GPU driver.
 
 There is no GPU here: Triton compiles for an explicit CUDA target without one, and
 :class:`FakeDriver` stands in for the GPU driver that cannot exist on this machine (its
@@ -10,6 +11,8 @@ replay skips them under the stub, not that they succeed.
 
 The tests allow this module through ``KWARM_ALLOW_MODULES=replay_kernels``.
 """
+import enum
+
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -75,6 +78,21 @@ def apply_kernel(x_ptr, y_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, FN(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
 
 
+class Scale(enum.IntEnum):
+    """Like vLLM's ``KVQuantMode``: an IntEnum member passed as a constexpr."""
+    NONE = 0
+    DOUBLE = 1
+
+
+@triton.jit
+def cast_kernel(x_ptr, y_ptr, n, SCALE: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if SCALE == 1:
+        x = x * 2
+    tl.store(y_ptr + offs, x.to(OUT), mask=offs < n)
+
+
 def launch_all():
     """The "production" launches of these kernels, compile-only (``warmup``/``warmup=True``:
     nothing can run without a GPU). Autotuned: one launch per tuning key through the
@@ -91,6 +109,7 @@ def launch_all():
     for n in (64, 4096):
         tuned_kernel.run(MockTensor(f16), MockTensor(f16), n, grid=(1,), warmup=True)
     apply_kernel.warmup(f16, f16, 100, FN=relu, BLOCK=128, grid=(1,))
+    cast_kernel.warmup(f16, f16, 100, SCALE=Scale.DOUBLE, OUT=tl.float16, BLOCK=128, grid=(1,))
 
 
 def choose_autotune_configs():

@@ -67,7 +67,7 @@ binder = [m for m in ("triton.tools.tensor_descriptor", "triton.experimental.glu
           if m in sys.modules]
 def key_caches():
     kernels = {"copy": rk.copy_kernel, "heuristic": rk.heuristic_kernel.fn, "tuned": rk.tuned_kernel.fn,
-               "apply": rk.apply_kernel}
+               "apply": rk.apply_kernel, "cast": rk.cast_kernel}
     return {name: len(jit.device_caches[triton_compat.current_device()][1]) for name, jit in kernels.items()}
 keys_before = key_caches()
 with monitor.capture() as compiled:
@@ -110,14 +110,14 @@ def test_learning_run_records_and_saves_at_exit(learned):
     out, stdout, manifest_path, _ = learned
     assert out["replay"]["status"] == "skipped" and "no manifest" in out["replay"]["reason"]
     assert out["learn"] == {"manifest": str(manifest_path), "newly_learned": 0}
-    assert out["compiled"] == 10  # what the first requests would have compiled
+    assert out["compiled"] == 11  # what the first requests would have compiled
     data = json.loads(manifest_path.read_text())
     assert data["format"] == "kwarm-manifest" and data["version"] == 1
     assert data["stamp"]["triton"] and data["stamp"]["arch"] == "cuda:90" and data["stamp"]["tp_size"] == 1
     assert data["stamp"]["model"] == "tiny/test-model" and data["stamp"]["vllm"] == "0.24.0"
-    assert len(data["entries"]) == 10 and len(data["autotune"]) == 2
+    assert len(data["entries"]) == 11 and len(data["autotune"]) == 2
     assert "learning: 0 newly learned so far" in stdout
-    assert "kwarm: learned 12 new (12 in the manifest, exit save)" in stdout
+    assert "kwarm: learned 13 new (13 in the manifest, exit save)" in stdout
     assert oct(manifest_path.stat().st_mode & 0o777) == oct(0o644)
 
 
@@ -127,29 +127,30 @@ def test_replay_in_a_fresh_process_leaves_nothing_to_compile(learned, tmp_path):
     out = last_json(proc)
     fam = out["replay"]
     assert fam["status"] == "ran"
-    assert out["compiled_after"] == []  # plain, heuristics, autotuned, function-constexpr kernels
+    assert out["compiled_after"] == []  # plain, heuristics, autotuned, function- and enum-constexpr kernels
     details = fam["details"]
-    assert (details["replayed"], details["not_chosen"], details["autotune_seeded"]) == (9, 1, 2)
+    assert (details["replayed"], details["not_chosen"], details["autotune_seeded"]) == (10, 1, 2)
     assert details["skipped"] == [] and details["refused"] is None
     # The seeded choices are the kernel's own Config objects; the launch found them (a
     # benchmark would have failed: the stub driver has no benchmarker).
     assert out["tuned_cache"] == {"(64, 'torch.float16', 'torch.float16')": 0,
                                   "(4096, 'torch.float16', 'torch.float16')": 2}
     steps = {s["name"]: s for s in fam["steps"]}
-    assert steps["compile"]["status"] == "ran" and len(steps["compile"]["variants"]) == 9
+    assert steps["compile"]["status"] == "ran" and len(steps["compile"]["variants"]) == 10
     assert steps["autotune"]["status"] == "ran"
     for gpu_only in ("load", "launch"):
         assert steps[gpu_only]["status"] == "skipped" and "no GPU driver" in steps[gpu_only]["reason"]
     # the binder's one-time imports were paid during replay, not by the first launch
     assert out["binder_before"] == [] and len(out["binder_after"]) == 2
     assert details["binder"] == "primed by warmup"
-    # the launches found their in-memory keys already mapped from their specialization, except
-    # the kernel whose specialization holds a jitted function (its key text is the hash)
-    assert details["key_cache_seeded"] == 8
-    assert out["key_cache_added"] == {"copy": 0, "heuristic": 0, "tuned": 0, "apply": 1}
+    # the launches found their in-memory keys already mapped from their specialization (the
+    # IntEnum and dtype constexprs included), except the kernel whose specialization holds a
+    # jitted function (its key text is the hash)
+    assert details["key_cache_seeded"] == 9
+    assert out["key_cache_added"] == {"copy": 0, "heuristic": 0, "tuned": 0, "apply": 1, "cast": 0}
     summary = [line for line in proc.stdout.splitlines() if "warmup done" in line]
     assert len(summary) == 1
-    assert "replay" in summary[0] and "9 replayed, 1 unchosen autotune configs left out, 2 autotune choices seeded" \
+    assert "replay" in summary[0] and "10 replayed, 1 unchosen autotune configs left out, 2 autotune choices seeded" \
         in summary[0]
 
 
@@ -157,9 +158,9 @@ def test_replay_loads_and_launches_where_a_gpu_exists(learned):
     _, _, _, tmp = learned
     out = last_json(run_py(REPLAY, env=env_for(tmp, PRETEND_GPU="1")))
     steps = {s["name"]: s for s in out["replay"]["steps"]}
-    assert steps["load"]["status"] == "ran" and len(steps["load"]["variants"]) == 9
+    assert steps["load"]["status"] == "ran" and len(steps["load"]["variants"]) == 10
     assert steps["launch"]["status"] == "ran" and out["launched"] == 1
-    assert sorted(out["loaded"]) == sorted(["apply_kernel"] + ["copy_kernel"] * 4 + ["heuristic_kernel"] * 2
+    assert sorted(out["loaded"]) == sorted(["apply_kernel", "cast_kernel"] + ["copy_kernel"] * 4 + ["heuristic_kernel"] * 2
                                            + ["tuned_kernel"] * 2)
 
 
@@ -186,7 +187,7 @@ def test_learn_all_records_during_warmup_but_not_replays_own_compiles(learned):
     before = manifest_path.read_text()
     proc = run_py(REPLAY, env=env_for(tmp, KWARM_LEARN="all"))
     out = last_json(proc)
-    assert out["replay"]["details"]["replayed"] == 9 and out["compiled_after"] == []
+    assert out["replay"]["details"]["replayed"] == 10 and out["compiled_after"] == []
     assert "learning: 0 newly learned so far" in proc.stdout  # replay's compiles are not "learned"
     assert manifest_path.read_text() == before  # nothing new: not rewritten
 
@@ -202,8 +203,8 @@ print(json.dumps(out))""")
     env = env_for(tmp, KWARM_LEARN="1", KWARM_MANIFEST=str(copy))
     proc = run_py(code, env=env)
     assert last_json(proc)["compiled_after"] == []
-    assert "kwarm: learned 1 new (13 in the manifest, exit save)" in proc.stdout
-    assert len(json.loads(copy.read_text())["entries"]) == 11
+    assert "kwarm: learned 1 new (14 in the manifest, exit save)" in proc.stdout
+    assert len(json.loads(copy.read_text())["entries"]) == 12
 
 
 VLLM_KERNELS = """
@@ -304,4 +305,34 @@ def test_key_cache_seeding_reads_back_only_keys_that_print_the_same(monkeypatch)
     function = "[('constexpr', '" + "a" * 64 + "')]{'debug': False}"
     for key in (function, "[('x', <object>)]{'debug': False}", "no options at all", "[('constexpr', 1.0e3)]{}"):
         assert triton_compat.seed_key_cache(jit, key) is False, key
+    assert len(jit.device_caches[0][1]) == 1
+
+
+def test_key_cache_seeding_reads_int_enum_and_dtype_constexprs(monkeypatch):
+    """The two constexpr kinds vLLM's kernels pass that print as code: an IntEnum member
+    (unified attention's KVQuantMode) and a triton.language dtype (fused MoE's compute_type).
+    The launch's own specialization, with the real objects, finds the key."""
+    import enum
+
+    import triton.language as tl
+    from kwarm_ext import triton_compat
+
+    class Mode(enum.IntEnum):
+        NONE = 0
+        FP8 = 2
+
+    monkeypatch.setattr(triton_compat, "current_device", lambda: 0)
+    jit = type("Jit", (), {})()
+    jit.device_caches = {0: ({}, {}, "target", "backend", "binder")}
+    options = "{'debug': False, 'num_warps': 4}"
+    launch = [("*bf16", "D"), ("constexpr", Mode.FP8), ("constexpr", tl.bfloat16), ("constexpr", -1.5)]
+    key = str(launch) + options
+    assert "<Mode.FP8: 2>" in key and "triton.language.bfloat16" in key
+    assert triton_compat.seed_key_cache(jit, key) is True
+    assert jit.device_caches[0][1][(tuple(launch), options)] == key
+    other = [("*bf16", "D"), ("constexpr", Mode.NONE), ("constexpr", tl.bfloat16), ("constexpr", -1.5)]
+    assert (tuple(other), options) not in jit.device_caches[0][1]
+    for text in ("[('constexpr', triton.language.not_a_dtype)]", "[('constexpr', os.path.sep)]",
+                 "[('constexpr', <Mode.FP8: x>)]", "[('constexpr', triton.language.bfloat16())]"):
+        assert triton_compat.seed_key_cache(jit, text + options) is False, text
     assert len(jit.device_caches[0][1]) == 1
