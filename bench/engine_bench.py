@@ -394,6 +394,35 @@ class HostCounters:
         return out
 
 
+ALLOCATOR_STATS = {  # torch.cuda.memory_stats(): cudaMalloc/cudaFree calls (cumulative counters)
+    "device": ("num_device_alloc", "num_device_free", "num_alloc_retries",
+               "segment.small_pool.allocated", "segment.large_pool.allocated"),
+    # torch.cuda.host_memory_stats(): pinned host blocks created, and microseconds spent creating them
+    "host": ("num_host_alloc", "host_alloc_time.total"),
+}
+
+
+def allocator_counts() -> dict | None:
+    """The caching allocators' cumulative counters (ALLOCATOR_STATS) where CUDA is there: a
+    request that has to grow a pool calls cudaMalloc / cudaHostAlloc, which its repeat, served
+    from the cache, does not. Counters this torch lacks are left out."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    stats = dict(torch.cuda.memory_stats())
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_stats is not None:
+        stats.update(host_stats())
+    return {name: stats[name] for names in ALLOCATOR_STATS.values() for name in names if name in stats}
+
+
+def counts_since(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before.get(name, 0) for name in after}
+
+
 class JitCounter:
     """A ``jit_post_compile_hook`` that records each in-memory compile and calls the hook
     it replaced (vLLM's JIT monitor chains the same slot and raises in its error mode:
@@ -783,6 +812,7 @@ def main(argv=None) -> int:
             profiler = cProfile.Profile() if i in args.profile else None
             gc0 = gc_timer.snapshot()
             host0 = host.snapshot()
+            alloc0 = allocator_counts()
             cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
             with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
@@ -790,6 +820,7 @@ def main(argv=None) -> int:
             s = time.perf_counter() - t
             gc_passes = gc_timer.since(gc0)
             host_delta = host.since(host0)
+            alloc = counts_since(alloc0, allocator_counts())
             # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
             cpu = {"process_s": round(time.process_time() - cpu0[0], 4), "thread_s": round(time.thread_time() - cpu0[1], 4)}
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
@@ -798,12 +829,13 @@ def main(argv=None) -> int:
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, "host": host_delta, **extra})
+                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, "host": host_delta,
+                             "alloc": alloc, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
                   f"{sorted({e['name'] for e in events})}, gc passes {gc_passes['passes']} "
-                  f"{sum(gc_passes['ms']):.2f} ms, host {host_delta}", flush=True)
+                  f"{sum(gc_passes['ms']):.2f} ms, host {host_delta}, allocators {alloc}", flush=True)
             if profile is not None:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"

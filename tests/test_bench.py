@@ -162,6 +162,15 @@ def test_fmt_s_like_the_baseline():
 
 # ---------------------------------------------------------------------- engine_bench
 
+def test_allocator_counts_need_cuda_and_subtract_per_counter():
+    assert engine_bench.allocator_counts() is None  # CUDA_VISIBLE_DEVICES="": no CUDA here
+    before = {"num_device_alloc": 40, "num_host_alloc": 3}
+    after = {"num_device_alloc": 46, "num_host_alloc": 3, "num_device_free": 1}
+    assert engine_bench.counts_since(before, after) == {"num_device_alloc": 6, "num_host_alloc": 0,
+                                                          "num_device_free": 1}
+    assert engine_bench.counts_since(None, after) is None
+
+
 def test_host_counters_count_this_threads_page_faults():
     host = engine_bench.HostCounters()
     try:
@@ -550,7 +559,15 @@ def fake_engine_env(tmp_path) -> dict:
         "@dataclasses.dataclass\nclass EngineArgs:\n    model: str = ''\n")
     (fake / "torch").mkdir()
     (fake / "torch" / "__init__.py").write_text(
-        "__version__ = '0.0.fake'\nclass cuda:\n    get_device_name = staticmethod(lambda i: 'Fake GPU')\n")
+        "__version__ = '0.0.fake'\n"
+        "class cuda:\n"
+        "    get_device_name = staticmethod(lambda i: 'Fake GPU')\n"
+        "    is_available = staticmethod(lambda: True)\n"
+        "    device_allocs = [0]\n"
+        "    @staticmethod\n"
+        "    def memory_stats():  # two cudaMalloc calls between any two reads; no host_memory_stats\n"
+        "        cuda.device_allocs[0] += 2\n"
+        "        return {'num_device_alloc': cuda.device_allocs[0], 'active.all.current': 1}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_", "FAKE_"))}
     env.update(PYTHONPATH=f"{fake}:{REPO}", TMPDIR=str(tmp_path))
     return env
@@ -567,6 +584,7 @@ def test_main_with_a_fake_engine(tmp_path, kwarm):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     assert res["complete"] is True and res["gpu"] == "Fake GPU" and res["versions"]["vllm"] == "0.0.fake"
+    assert all(r["alloc"] == {"num_device_alloc": 2} for r in res["requests"])
     assert "jit_monitor_verbose" not in res["engine_kwargs"]  # this EngineArgs lacks it
     assert res["init_jit"] == 1 and res["init_kernels"] == [{"name": "fused_moe_kernel", "count": 1}]
     assert res["cache"]["label"] == "cold" and res["cache"]["triton_dir_after_init"].endswith("tc/triton_cache")
