@@ -242,7 +242,7 @@ def test_records_identity_key_options_and_specialization(tmp_path):
     entries = out["entries"]
     assert out["vllm_only"] == 0
     assert {tuple(k) for k in out["kernels"]} == {("replay_kernels", n) for n in (
-        "copy_kernel", "heuristic_kernel", "tuned_kernel", "apply_kernel")}
+        "copy_kernel", "heuristic_kernel", "tuned_kernel", "apply_kernel", "cast_kernel")}
     copies = [e for e in entries if e["qualname"] == "copy_kernel"]
     assert len(copies) == 4 and all(e["source_key"] == out["source_keys"]["copy_kernel"] for e in copies)
     wide = next(e for e in copies if "num_warps" in e["launch_options"])
@@ -257,3 +257,6 @@ def test_records_identity_key_options_and_specialization(tmp_path):
     apply = next(e for e in entries if e["qualname"] == "apply_kernel")
     assert apply["spec"]["constant_vals"][0] == {"jit_function": "replay_kernels:relu"}
     assert out["source_keys"]["relu"] in apply["key"]
+    cast = next(e for e in entries if e["qualname"] == "cast_kernel")  # an IntEnum and a tl dtype
+    assert cast["spec"]["constant_vals"] == [1, {"tl_dtype": "fp16"}, 128]
+    assert "<Scale.DOUBLE: 1>" in cast["key"] and "triton.language.float16" in cast["key"]
