@@ -329,8 +329,8 @@ class GcTimer:
 
 class HostCounters:
     """What the host did to this thread during one request, to tell a slow request from a
-    slow host. Request time is CPU time of this thread (``cpu`` above), so the host's share
-    hides in it: hypervisor steal (``/proc/stat``, all CPUs, in ms), this thread's context
+    slow host. Nearly all of a request's time is this thread's CPU time (``cpu``), so the
+    host's share hides in it: hypervisor steal (``/proc/stat``, all CPUs, in ms), this thread's context
     switches and page faults (``getrusage(RUSAGE_THREAD)``), and, where the kernel exposes
     them (``perf_event_open``; many VMs do not), the user-mode cycles and instructions this
     thread retired. Instructions do not move with clock speed, steal or cache misses, so
