@@ -394,12 +394,13 @@ class HostCounters:
         return out
 
 
-ALLOCATOR_STATS = {  # torch.cuda.memory_stats(): cudaMalloc/cudaFree calls (cumulative counters)
-    "device": ("num_device_alloc", "num_device_free", "num_alloc_retries",
-               "segment.small_pool.allocated", "segment.large_pool.allocated"),
+ALLOCATOR_STATS = (
+    # torch.cuda.memory_stats(): cudaMalloc/cudaFree calls and segments (cumulative counters)
+    "num_device_alloc", "num_device_free", "num_alloc_retries",
+    "segment.small_pool.allocated", "segment.large_pool.allocated",
     # torch.cuda.host_memory_stats(): pinned host blocks created, and microseconds spent creating them
-    "host": ("num_host_alloc", "host_alloc_time.total"),
-}
+    "num_host_alloc", "host_alloc_time.total",
+)
 
 
 def allocator_counts() -> dict | None:
@@ -414,7 +415,7 @@ def allocator_counts() -> dict | None:
     host_stats = getattr(torch.cuda, "host_memory_stats", None)
     if host_stats is not None:
         stats.update(host_stats())
-    return {name: stats[name] for names in ALLOCATOR_STATS.values() for name in names if name in stats}
+    return {name: stats[name] for name in ALLOCATOR_STATS if name in stats}
 
 
 def counts_since(before: dict | None, after: dict | None) -> dict | None:

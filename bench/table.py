@@ -65,12 +65,17 @@ def pairs(run: dict) -> list[tuple[int, int]]:
     return [(r["repeat_of"], r["i"]) for r in run["requests"] if r.get("repeat_of") is not None]
 
 
+def with_repeats(run: dict, first: int) -> list[tuple[dict, dict]]:
+    """(request `first`, one of its repeats) for each repeat of it."""
+    by_index = {r["i"]: r for r in run["requests"]}
+    return [(by_index[f], by_index[rep]) for f, rep in pairs(run) if f == first]
+
+
 def pair_ratio(run: dict, first: int) -> float | None:
     """Time of request `first` / time of its repeat (None without a repeat or a zero time)."""
-    by_index = {r["i"]: r for r in run["requests"]}
-    for f, rep in pairs(run):
-        if f == first and by_index[rep]["s"] > 0:
-            return by_index[f]["s"] / by_index[rep]["s"]
+    for request, repeat in with_repeats(run, first):
+        if repeat["s"] > 0:
+            return request["s"] / repeat["s"]
     return None
 
 
@@ -82,12 +87,9 @@ def first_steady_ratio(run: dict) -> float | None:
 def first_steady_counters(run: dict) -> dict[str, float]:
     """Request 0 / its repeat in the thread's hardware counters (engine_bench's ``host``),
     for those this host exposed: {"cycles": r, "instructions": r}."""
-    by_index = {r["i"]: r for r in run["requests"]}
-    for f, rep in pairs(run):
-        if f == 0:
-            a, b = by_index[f].get("host") or {}, by_index[rep].get("host") or {}
-            return {name: a[name] / b[name] for name in ("cycles", "instructions")
-                    if a.get(name) and b.get(name)}
+    for request, repeat in with_repeats(run, 0):
+        a, b = request.get("host") or {}, repeat.get("host") or {}
+        return {name: a[name] / b[name] for name in ("cycles", "instructions") if a.get(name) and b.get(name)}
     return {}
 
 
