@@ -49,6 +49,8 @@
 #   PROFILE_RUNS="*"      which runs PROFILE applies to: a pattern on the run's tag, e.g.
 #                         "*-replay" (the other runs stay unprofiled)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
+#   WARMUPS=""            KWARM_WARMUPS of the replay runs (e.g. "*,-caching_allocator": all
+#                         families but one); empty: all families
 #   LOCK=$WORK/engines.lock  the SYNC lock: give two gpu_run.sh started side by side (each
 #                         with its own WORK and OUT) one LOCK, so that their engines also
 #                         measure one at a time
@@ -79,6 +81,7 @@ SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
+WARMUPS=${WARMUPS:-}
 INSTALL=${INSTALL:-1}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
 # packed into $OUT/bench-results.tgz at the end (table.md is also copied beside it).
@@ -190,7 +193,8 @@ pipeline() {
   local args=("bench/models/$model" --kwarm "$mode" --scenario "$SCENARIO"
               --gpu-memory-utilization "$GPU_UTIL" --kv-cache-memory-bytes "$KV_BYTES"
               $(model_args "$model") $BENCH_ARGS)
-  local on=() learn=()
+  local on=() learn=() replay_env=()
+  [ -n "$WARMUPS" ] && replay_env=("KWARM_WARMUPS=$WARMUPS")
   if [ "$mode" = on ]; then
     if [ -n "$REPLAY_FROM" ] && [ -f "$REPLAY_FROM/${manifest##*/}" ]; then
       # the copy in $OUT travels with the results; the runs read the copy
@@ -206,14 +210,14 @@ pipeline() {
     fi
   fi
   if [ "$given" = 1 ] && [ "$REPLAY_ONLY" = 1 ]; then
-    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
     return
   fi
   run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
   if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
-    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" \
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
   if [ "$WARM" = 1 ]; then

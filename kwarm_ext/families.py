@@ -9,7 +9,10 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   vLLM already runs (and `forced` is false) or whose vLLM symbol is absent carries its
   skip reason instead of running;
 - optionally ``details() -> dict``: read after the steps ran; its ``summary`` replaces the
-  family's default text in the summary line, and the dict goes into the JSON report.
+  family's default text in the summary line, and the dict goes into the JSON report;
+- with ``after_capture=True`` in the table, the family is planned and run once
+  ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
+  (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
 
 ``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
 kwarm_ext/replay.py rather than under ``kernels/``; ``frontend`` (kwarm_ext/frontend.py) runs in
@@ -30,6 +33,7 @@ class Family:
     name: str
     module: str
     summary: str
+    after_capture: bool = False  # planned and run after compile_or_warm_up_model
 
     def load(self):
         return importlib.import_module(self.module)
@@ -68,6 +72,10 @@ FAMILIES = {
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
+        Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
+               "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
+               "allocated and freed, so that the first request's allocations find whole free blocks",
+               after_capture=True),
         Family("frontend", "kwarm_ext.frontend",
                "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
                "is built, not on the first request"),

@@ -1,6 +1,8 @@
-"""kwarm's two monkey-patches: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
-warmup) and ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's,
-documented at :func:`_wrap_input_processor_init`).
+"""kwarm's three monkey-patches: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
+warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
+CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
+``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
+:func:`_wrap_input_processor_init`).
 
 Why: vLLM compiles Triton kernels lazily, on the first request that hits each
 specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
@@ -29,6 +31,7 @@ logger = logging.getLogger("kwarm")
 
 TARGET_MODULE = "vllm.v1.worker.gpu_worker"
 TARGET_ATTRIBUTE = "kernel_warmup"
+AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
 
 _installed = False
@@ -43,6 +46,9 @@ def install() -> None:
 
     wrapt.register_post_import_hook(
         _guarded(patch, f"wrap {TARGET_MODULE}.{TARGET_ATTRIBUTE}, kwarm's warmup will not run"), TARGET_MODULE)
+    wrapt.register_post_import_hook(
+        _guarded(patch_after_capture, f"wrap {TARGET_MODULE}.{AFTER_CAPTURE_TARGET}, kwarm's after-capture "
+                                      "steps will not run"), TARGET_MODULE)
     wrapt.register_post_import_hook(
         _guarded(patch_input_processor, f"wrap {FRONTEND_MODULE}.InputProcessor.__init__, the front-end "
                                         "warmup will not run"), FRONTEND_MODULE)
@@ -112,6 +118,49 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
         from kwarm_ext import warmup
 
         warmup.run(worker)  # isolates each of its own steps
+    return result
+
+
+# ---------------------------------------------------------------------------- after capture
+
+def patch_after_capture(module) -> bool:
+    """Wrap ``module.Worker.compile_or_warm_up_model`` once. Returns whether this call wrapped it."""
+    import wrapt
+
+    cls = getattr(module, "Worker", None)
+    if cls is None or not callable(getattr(cls, "compile_or_warm_up_model", None)):
+        logger.warning("kwarm: %s has no %s in this vLLM; kwarm's after-capture steps will not run",
+                       TARGET_MODULE, AFTER_CAPTURE_TARGET)
+        return False
+    if is_after_capture_patched(module):
+        return False
+    wrapt.wrap_function_wrapper(cls, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model)
+    return True
+
+
+def is_after_capture_patched(module) -> bool:
+    import wrapt
+
+    current = getattr(getattr(module, "Worker", None), "__dict__", {}).get("compile_or_warm_up_model")
+    return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is _wrap_compile_or_warm_up_model
+
+
+def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
+    """Run vLLM's ``Worker.compile_or_warm_up_model``, then kwarm's after-capture steps.
+
+    Why: ``capture_model`` empties torch's caching allocator (``empty_cache()``) after
+    kwarm's warmup (the ``kernel_warmup`` hook runs before capture), so the first request
+    allocates fresh segments (2.3 ms of a 200-token prefill on tiny Qwen3-Next, vLLM 0.24.0;
+    see kernels/caching_allocator.py). The worker's ``compile_or_warm_up_model`` is the
+    last thing vLLM runs on a worker before serving, in every release 0.20-0.33, whichever
+    runner (V1 or V2) and whether or not it captures. It can go when vLLM stops emptying the
+    allocator after capture, or offers a hook after it.
+    """
+    result = wrapped(*args, **kwargs)
+    with _fail_open("after-capture steps failed, the engine starts without them"):
+        from kwarm_ext import warmup
+
+        warmup.after_capture(instance)
     return result
 
 

@@ -1,7 +1,9 @@
 """kwarm's warmup, run on each worker right after vLLM's own ``kernel_warmup``.
 
 Order: the engine view, then each selected family's steps (``replay`` first), then, with
-``KWARM_LEARN``, the recorder starts (``KWARM_LEARN=all``: before the families). Every
+``KWARM_LEARN``, the recorder starts (``KWARM_LEARN=all``: before the families). Once
+``Worker.compile_or_warm_up_model`` has returned (CUDA-graph capture done),
+:func:`after_capture` runs the families that belong after it on the same view. Every
 step is isolated: an exception becomes one warning naming the step and the reason, and
 the next step runs (``KWARM_STRICT=1`` re-raises instead). It ends with one summary line
 per worker and, with ``KWARM_REPORT``, a JSON report.
@@ -18,6 +20,7 @@ from kwarm_ext import config, engine, monitor
 from kwarm_ext.families import FAMILIES
 
 logger = logging.getLogger("kwarm")
+_pending: dict = {}  # id(worker) -> (view, report) of its run, for after_capture
 
 
 @dataclasses.dataclass
@@ -83,7 +86,7 @@ def run(worker) -> dict:
         logger.info("kwarm: engine view: %s", view.summary())
 
     learning = _start_learning(view) if settings.learn == "all" else None
-    results = [_run_family(name, view, settings) for name in FAMILIES]
+    results = [_run_family(name, view, settings) for name, family in FAMILIES.items() if not family.after_capture]
     report["families"] = [dataclasses.asdict(r) for r in results]
     if settings.learn == "after":
         learning = _start_learning(view)
@@ -98,12 +101,40 @@ def run(worker) -> dict:
     logger.info("kwarm: warmup done in %.2f s on rank %s: ran %s; skipped %s; failed %s%s",
                 report["total_s"], rank, " | ".join(ran) or "-", ", ".join(skipped) or "-",
                 ", ".join(failed) or "-", _learning_text(learning))
+    _write(report, settings, rank)
+    _pending[id(worker)] = (view, report)
+    return report
+
+
+def after_capture(worker) -> dict | None:
+    """Run the selected after-capture families on `worker` (the view of its :func:`run`);
+    one summary line, and the report gains ``after_capture``. None when no family is one."""
+    settings = config.get()
+    names = [name for name, family in FAMILIES.items() if family.after_capture]
+    if not names:
+        return None
+    view, report = _pending.pop(id(worker), (None, None))
+    t0 = time.perf_counter()
+    results = [_run_family(name, view, settings) for name in names]
+    seconds = round(time.perf_counter() - t0, 4)
+    rank = report.get("rank", 0) if report else 0
+    logger.info("kwarm: after CUDA-graph capture, %.2f s on rank %s: ran %s; skipped %s; failed %s", seconds, rank,
+                " | ".join(r.short() for r in results if r.status == "ran") or "-",
+                ", ".join(r.short() for r in results if r.status == "skipped") or "-",
+                ", ".join(r.short() for r in results if r.status == "failed") or "-")
+    part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results]}
+    if report is not None:
+        report["after_capture"] = part
+        _write(report, settings, rank)
+    return part
+
+
+def _write(report: dict, settings, rank: int) -> None:
     if settings.report:
         try:
             guarded("report", lambda: write_report(report, settings.report, rank))
         except StepFailed:
             pass
-    return report
 
 
 def _run_family(name: str, view, settings) -> FamilyResult:

@@ -100,8 +100,61 @@ def test_hook_target_exists_and_wraps_in_each_release(release):
     code = """
     import json, vllm, vllm.v1.worker.gpu_worker as g
     from kwarm_ext import patches
-    print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g)}))
+    print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g),
+                      "after_capture": patches.is_after_capture_patched(g)}))
     """
     proc = run_py(code, env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True,
+                                                                 "after_capture": True}
+
+
+def _worker_module(original):
+    """A module with a ``Worker`` class whose ``compile_or_warm_up_model`` is `original`: the
+    real method captures CUDA graphs (GPU only); the wrapping is the real one."""
+    import types
+
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"compile_or_warm_up_model": original})
+    return module
+
+
+def test_after_capture_wrapper_runs_after_vllms_method_once(monkeypatch):
+    from kwarm_ext import patches, warmup
+
+    calls = []
+
+    def original(self):
+        calls.append("vllm")
+        return "compilation-times"
+
+    module = _worker_module(original)
+    monkeypatch.setattr(warmup, "after_capture", lambda worker: calls.append(("kwarm", worker)))
+    assert patches.patch_after_capture(module) is True
+    assert patches.patch_after_capture(module) is False, "wrapped once"
+    worker = module.Worker()
+    assert worker.compile_or_warm_up_model() == "compilation-times"
+    assert calls == ["vllm", ("kwarm", worker)]
+
+
+def test_after_capture_failure_is_one_warning_and_vllms_error_is_vllms(monkeypatch, kwarm_log, kwarm_env):
+    from kwarm_ext import patches, warmup
+
+    kwarm_env()
+    module = _worker_module(lambda self: "ok")
+    monkeypatch.setattr(warmup, "after_capture", lambda worker: 1 / 0)
+    patches.patch_after_capture(module)
+    assert module.Worker().compile_or_warm_up_model() == "ok"
+    assert [m for m in kwarm_log.messages() if "after-capture" in m] == [
+        "kwarm: after-capture steps failed, the engine starts without them: ZeroDivisionError('division by zero')"]
+
+    def fails(self):
+        raise ValueError("vLLM's own failure")
+
+    ran = []
+    module = _worker_module(fails)
+    monkeypatch.setattr(warmup, "after_capture", ran.append)
+    patches.patch_after_capture(module)
+    with pytest.raises(ValueError, match="vLLM's own failure"):
+        module.Worker().compile_or_warm_up_model()
+    assert ran == []
