@@ -83,7 +83,7 @@ def test_ratio_and_totals_come_from_the_requests(run):
     run["first_steady_ratio"], run["total_jit"] = 999.0, 999
     run["requests"][1]["s"] = 0.5
     row = table.render_table([run]).splitlines()[-1]
-    assert row.endswith("| 14 | 6.3 |")  # 3.1302 / 0.5
+    assert row.endswith("| 14 | 6.26 |")  # 3.1302 / 0.5
 
 
 def test_ownership_mapping(run):
@@ -120,7 +120,7 @@ def test_several_runs_one_table(run, tmp_path, capsys):
     assert "not an engine_bench result" in out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| 0.24.0")]
     assert rows[0] == ROW_OFF  # off before on
-    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (1), 0.038, 1.15 (1), 0.039, 1.08 | 2 | 7.6 |"
+    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (1), 0.038, 1.15 (1), 0.039, 1.08 | 2 | 7.63 |"
     assert out.out.count("### tiny-qwen3-next") == 1
     assert ("warmup 8.70 s: runner ran 0.600 s, 2/2 steps, 4 compiled; qwen_gdn ran 8.00 s, 5/6 steps, "
             "9 compiled; dsa_indexer skipped (no DSA indexer layer)") in out.out
@@ -153,6 +153,10 @@ def test_summarize_report_counts_steps():
                                       "steps": 3, "steps_ran": 1, "steps_skipped": 1, "steps_failed": 1,
                                       "compiled": 2}
     assert table.summarize_report(None) is None
+
+    report = {"families": [], "after_capture": {"families": [
+        {"name": "caching_allocator", "status": "ran", "seconds": 0.01, "steps": [{"status": "ran"}]}]}}
+    assert [f["name"] for f in table.summarize_report(report)["families"]] == ["caching_allocator (after capture)"]
 
 
 def test_fmt_s_like_the_baseline():
