@@ -47,9 +47,11 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import TARGET_ATTRIBUTE, TARGET_MODULE, is_patched
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, TARGET_ATTRIBUTE, TARGET_MODULE, is_after_capture_patched,
+                                   is_patched)
 
-    out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False}
+    out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
+           "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False}}
     t0 = time.perf_counter()
     try:
         import importlib
@@ -57,6 +59,9 @@ def hook_target() -> dict:
         module = importlib.import_module(TARGET_MODULE)
         out["found"] = getattr(module, TARGET_ATTRIBUTE, None) is not None
         out["patched"] = is_patched(module)
+        out["after_capture"].update(found=callable(getattr(getattr(module, "Worker", None), "compile_or_warm_up_model",
+                                                           None)),
+                                    patched=is_after_capture_patched(module))
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["import_s"] = round(time.perf_counter() - t0, 2)
@@ -114,6 +119,10 @@ def render(r: dict) -> str:
     h = r["hook_target"]
     lines += ["", f"hook target: {h.get('module')}.{h.get('attribute')} found={yes(h.get('found'))} "
                   f"patched={yes(h.get('patched'))}" + (f"  error: {h['error']}" if h.get("error") else "")]
+    if h.get("after_capture"):
+        a = h["after_capture"]
+        lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "
+                     f"patched={yes(a['patched'])}")
     lines += ["", "upstream warmups in this vLLM:"]
     for name, u in r["upstream_warmups"].items():
         if isinstance(u, dict):

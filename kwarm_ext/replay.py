@@ -308,6 +308,8 @@ def _settle(state: ReplayState, job, result) -> None:
         state.key_cache_seeded += triton_compat.seed_key_cache(job.jit, job.key)
     except Exception as exc:  # an optimization only: the launch builds the key itself
         logger.debug("kwarm: replay could not seed the key cache for %s: %r", job.label, exc)
+        if config.get().strict:  # CI catches a Triton layout change here
+            raise
     return None
 
 
@@ -349,6 +351,8 @@ def _attempt(fn, done: str) -> str:
     try:
         fn()
         return done
-    except Exception as exc:
+    except Exception as exc:  # an optimization only: the first launch pays it instead
         logger.debug("kwarm: replay could not prime the binder: %r", exc)
+        if config.get().strict:
+            raise
         return f"not primed ({type(exc).__name__}: {exc})"

@@ -26,6 +26,8 @@ def test_doctor_reports_installed_doors_and_hook_target():
     assert r["doors"]["vllm.general_plugins"]["would_fire"]
     assert r["doors"]["kwarm run (sitecustomize)"]["would_fire"] is False  # not under `kwarm run`
     assert r["hook_target"]["found"] is True and r["hook_target"]["patched"] is True
+    assert r["hook_target"]["after_capture"] == {"attribute": "Worker.compile_or_warm_up_model",
+                                                 "found": True, "patched": True}
     assert not any(u["present"] for u in r["upstream_warmups"].values())  # 0.24 has none of them
     assert r["families"]["qwen_gdn"]["forced"] and not r["families"]["runner"]["selected"]
     assert r["config"]["KWARM_WARMUPS"] == "qwen_gdn,-runner"
@@ -35,7 +37,7 @@ def test_doctor_disabled_and_filtered():
     r = doctor(clean_env(VLLM_PLUGINS="other", KWARM_LOG_LEVEL="chatty", CUDA_VISIBLE_DEVICES=""))
     assert r["enabled"] is False and not any(d["would_fire"] for d in r["doors"].values())
     assert "excludes kwarm" in r["doors"]["vllm.general_plugins"]["note"]
-    assert r["hook_target"]["patched"] is False
+    assert r["hook_target"]["patched"] is False and r["hook_target"]["after_capture"]["patched"] is False
     assert r["config_problems"] == ["KWARM_LOG_LEVEL='chatty' is invalid (expected one of DEBUG, INFO, "
                                     "WARNING, ERROR); using the default 'INFO'"]
 
@@ -49,7 +51,7 @@ def test_doctor_disabled_and_filtered():
 def test_doctor_finds_upstream_warmups_per_release(release, present):
     r = doctor(clean_env(CUDA_VISIBLE_DEVICES=""), release=release)
     assert r["versions"]["vllm"] is not None
-    assert r["hook_target"]["found"] is True
+    assert r["hook_target"]["found"] is True and r["hook_target"]["after_capture"]["found"] is True
     assert {n for n, u in r["upstream_warmups"].items() if u["present"]} == present
 
 

@@ -336,3 +336,29 @@ def test_key_cache_seeding_reads_int_enum_and_dtype_constexprs(monkeypatch):
                  "[('constexpr', <Mode.FP8: x>)]", "[('constexpr', triton.language.bfloat16())]"):
         assert triton_compat.seed_key_cache(jit, text + options) is False, text
     assert len(jit.device_caches[0][1]) == 1
+
+
+def test_a_failed_key_cache_seed_or_binder_priming_is_quiet_but_strict_raises(monkeypatch, kwarm_env):
+    """Both are optimizations (the launch builds its key, the first launch primes the binder):
+    the engine starts without them, but KWARM_STRICT (CI) must see a Triton layout change."""
+    import types
+
+    from kwarm_ext import replay, triton_compat
+
+    def broken(*args):
+        raise AttributeError("JITFunction has no device_caches")
+
+    monkeypatch.setattr(triton_compat, "settle", lambda job, result: ("kernel", None))
+    monkeypatch.setattr(triton_compat, "seed_key_cache", broken)
+    job = types.SimpleNamespace(label="vllm.k:kern", jit=None, key="key")
+    kwarm_env()
+    state = replay.ReplayState(path="m.json")
+    replay._settle(state, job, "compiled")
+    assert state.compiled == [("vllm.k:kern", "kernel")] and state.key_cache_seeded == 0
+    assert replay._attempt(broken, "primed") == "not primed (AttributeError: JITFunction has no device_caches)"
+
+    kwarm_env(KWARM_STRICT="1")
+    with pytest.raises(AttributeError):
+        replay._settle(replay.ReplayState(path="m.json"), job, "compiled")
+    with pytest.raises(AttributeError):
+        replay._attempt(broken, "primed")
