@@ -22,8 +22,8 @@ How:
     all alive at once, then free them. Blocks that fit in the existing free pieces take no
     new memory; the others start segments now, at startup. Either way the small pool then
     holds at least that much free in pieces of 1 MiB or more, which any smaller
-    allocations of a request can use. At most 32 MiB of device memory, within vLLM's 150 MiB
-    redundancy buffer; skipped when less than 1 GiB is free.
+    allocations of a request can use. At most 32 MiB of device memory (vLLM's memory profile
+    leaves 150 MiB of headroom); skipped when less than 1 GiB is free.
 
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture.
 
@@ -39,6 +39,7 @@ KERNEL = "CUDA caching allocator (small pool)"
 BLOCK = 1 << 20  # the largest small-pool allocation (torch's kSmallSize): two per 2 MiB segment
 RESERVE_BLOCKS = 32
 MIN_DEVICE_FREE = 1 << 30
+_details: dict = {}  # the last reserve's outcome, for the summary line
 
 
 def applies(view) -> str | None:
@@ -51,7 +52,13 @@ def applies(view) -> str | None:
 
 def plan(view, forced) -> list:
     """The steps, planned once CUDA-graph capture is done (the family runs after it)."""
+    _details.clear()
     return [Step("small pool", KERNEL, run=lambda: _reserve(view.device))]
+
+
+def details() -> dict:
+    """The summary line's text: what the reserve found and added."""
+    return dict(_details)
 
 
 def reserve(device: str, blocks: int) -> None:
@@ -74,9 +81,12 @@ def _reserve(device: str) -> list:
 
     free_device = torch.cuda.mem_get_info(device)[0]
     if free_device < MIN_DEVICE_FREE:
-        return [f"nothing reserved: {free_device >> 20} MiB free on the device"]
-    before = small_pool(torch.cuda.memory_stats(device))
-    reserve(device, RESERVE_BLOCKS)
-    after = small_pool(torch.cuda.memory_stats(device))
-    return [f"{RESERVE_BLOCKS} x 1 MiB: {after[0] - before[0]} new segments, "
-            f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free"]
+        text = f"nothing reserved: {free_device >> 20} MiB free on the device"
+    else:
+        before = small_pool(torch.cuda.memory_stats(device))
+        reserve(device, RESERVE_BLOCKS)
+        after = small_pool(torch.cuda.memory_stats(device))
+        text = (f"{RESERVE_BLOCKS} x 1 MiB small-pool blocks: {after[0] - before[0]} new segments, "
+                f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free")
+    _details["summary"] = text
+    return [text]

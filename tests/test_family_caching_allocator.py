@@ -83,11 +83,12 @@ def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
     assert gpu_allocator.reserved == [("cuda:0", ca.RESERVE_BLOCKS)]
     family = part["families"][0]
     assert family["name"] == "caching_allocator" and family["status"] == "ran", family
-    assert family["steps"][0]["variants"] == ["32 x 1 MiB: 16 new segments, 11 -> 43 MiB cached free"]
+    text = "32 x 1 MiB small-pool blocks: 16 new segments, 11 -> 43 MiB cached free"
+    assert family["steps"][0]["variants"] == [text] and family["details"] == {"summary": text}
     written = json.loads(report_path.read_text())
     assert written["after_capture"]["families"][0]["steps"][0]["status"] == "ran"
-    assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator" in m
-               for m in kwarm_log.messages(0))
+    assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator " in m and f" s: {text}" in m
+               for m in kwarm_log.messages(0)), kwarm_log.messages(0)
     assert kwarm_log.messages() == [], "no warning"
 
     assert warmup.after_capture(worker)["families"][0]["reason"] == "no engine view", \
