@@ -95,12 +95,8 @@ def run(worker) -> dict:
     report["total_s"] = round(time.perf_counter() - t0, 4)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
-    ran = [r.short() for r in results if r.status == "ran"]
-    skipped = [r.short() for r in results if r.status == "skipped"]
-    failed = [r.short() for r in results if r.status == "failed"]
-    logger.info("kwarm: warmup done in %.2f s on rank %s: ran %s; skipped %s; failed %s%s",
-                report["total_s"], rank, " | ".join(ran) or "-", ", ".join(skipped) or "-",
-                ", ".join(failed) or "-", _learning_text(learning))
+    logger.info("kwarm: warmup done in %.2f s on rank %s: %s%s",
+                report["total_s"], rank, _outcome(results), _learning_text(learning))
     _write(report, settings, rank)
     _pending[id(worker)] = (view, report)
     return report
@@ -118,15 +114,20 @@ def after_capture(worker) -> dict | None:
     results = [_run_family(name, view, settings) for name in names]
     seconds = round(time.perf_counter() - t0, 4)
     rank = report.get("rank", 0) if report else 0
-    logger.info("kwarm: after CUDA-graph capture, %.2f s on rank %s: ran %s; skipped %s; failed %s", seconds, rank,
-                " | ".join(r.short() for r in results if r.status == "ran") or "-",
-                ", ".join(r.short() for r in results if r.status == "skipped") or "-",
-                ", ".join(r.short() for r in results if r.status == "failed") or "-")
+    logger.info("kwarm: after CUDA-graph capture, %.2f s on rank %s: %s", seconds, rank, _outcome(results))
     part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results]}
     if report is not None:
         report["after_capture"] = part
         _write(report, settings, rank)
     return part
+
+
+def _outcome(results: list) -> str:
+    """`ran A | B; skipped C (why); failed -`: the families of one summary line."""
+    def short(status, sep):
+        return sep.join(r.short() for r in results if r.status == status) or "-"
+
+    return f"ran {short('ran', ' | ')}; skipped {short('skipped', ', ')}; failed {short('failed', ', ')}"
 
 
 def _write(report: dict, settings, rank: int) -> None:
