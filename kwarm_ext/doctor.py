@@ -47,8 +47,8 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, TARGET_ATTRIBUTE, TARGET_MODULE, is_after_capture_patched,
-                                   is_patched)
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, TARGET_ATTRIBUTE, TARGET_MODULE, after_capture_class,
+                                   is_after_capture_patched, is_patched)
 
     out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
            "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False}}
@@ -59,8 +59,7 @@ def hook_target() -> dict:
         module = importlib.import_module(TARGET_MODULE)
         out["found"] = getattr(module, TARGET_ATTRIBUTE, None) is not None
         out["patched"] = is_patched(module)
-        out["after_capture"].update(found=callable(getattr(getattr(module, "Worker", None), "compile_or_warm_up_model",
-                                                           None)),
+        out["after_capture"].update(found=after_capture_class(module) is not None,
                                     patched=is_after_capture_patched(module))
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"

@@ -127,8 +127,8 @@ def patch_after_capture(module) -> bool:
     """Wrap ``module.Worker.compile_or_warm_up_model`` once. Returns whether this call wrapped it."""
     import wrapt
 
-    cls = getattr(module, "Worker", None)
-    if cls is None or not callable(getattr(cls, "compile_or_warm_up_model", None)):
+    cls = after_capture_class(module)
+    if cls is None:
         logger.warning("kwarm: %s has no %s in this vLLM; kwarm's after-capture steps will not run",
                        TARGET_MODULE, AFTER_CAPTURE_TARGET)
         return False
@@ -136,6 +136,12 @@ def patch_after_capture(module) -> bool:
         return False
     wrapt.wrap_function_wrapper(cls, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model)
     return True
+
+
+def after_capture_class(module):
+    """``module.Worker`` where it has a ``compile_or_warm_up_model`` to wrap, else None."""
+    cls = getattr(module, "Worker", None)
+    return cls if callable(getattr(cls, "compile_or_warm_up_model", None)) else None
 
 
 def is_after_capture_patched(module) -> bool:

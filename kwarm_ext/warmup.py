@@ -106,10 +106,10 @@ def after_capture(worker) -> dict | None:
     """Run the selected after-capture families on `worker` (the view of its :func:`run`);
     one summary line, and the report gains ``after_capture``. None when no family is one."""
     settings = config.get()
+    view, report = _pending.pop(id(worker), (None, None))  # one after-capture run per warmup run
     names = [name for name, family in FAMILIES.items() if family.after_capture]
     if not names:
         return None
-    view, report = _pending.pop(id(worker), (None, None))
     t0 = time.perf_counter()
     results = [_run_family(name, view, settings) for name in names]
     seconds = round(time.perf_counter() - t0, 4)

@@ -27,14 +27,18 @@ def test_small_pool_reads_segments_and_free_bytes():
 
 
 def test_reserve_holds_all_blocks_at_once_then_frees_them():
+    import weakref
+
     import torch
 
-    held = []
+    held, alive, most_alive = [], weakref.WeakSet(), []
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
         tensor = real_empty(*args, **kwargs)
         held.append(tensor.nbytes)
+        alive.add(tensor)
+        most_alive.append(len(alive))
         return tensor
 
     torch.empty = empty
@@ -43,6 +47,8 @@ def test_reserve_holds_all_blocks_at_once_then_frees_them():
     finally:
         torch.empty = real_empty
     assert held == [MIB] * 3
+    assert most_alive == [1, 2, 3], "each block allocated while the others are held"
+    assert len(alive) == 0, "all freed on return"
 
 
 @pytest.fixture
