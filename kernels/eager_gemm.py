@@ -179,6 +179,22 @@ def token_counts(first: int, last: int) -> list:
     return sizes if sizes[-1] == last else sizes + [last]
 
 
+def kernel_grid(first: int, last: int, steps_per_doubling: int = 8) -> list:
+    """Token counts from `first` to `last` that reach every kernel cuBLAS picks between them:
+    every count up to 16, then a geometric ladder of `steps_per_doubling` counts per doubling
+    (about 9% apart), and `last`."""
+    if last < first or last < 1:
+        return []
+    first = max(first, 1)
+    sizes = set(range(first, min(last, 16) + 1))
+    base, i = max(first, 16), 0
+    while (m := round(base * 2 ** (i / steps_per_doubling))) < last:
+        sizes.add(m)
+        i += 1
+    sizes.add(last)
+    return sorted(sizes)
+
+
 def _int(value, default: int) -> int:
     return value if isinstance(value, int) and value > 0 else default
 
