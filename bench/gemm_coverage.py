@@ -136,9 +136,13 @@ def child(model, variant, probe_ms):
             probe = [p for p in probe if p[0][0] != "lm_head"]
             first = [ms(torch, fn) for _, fn in probe]
             again = [ms(torch, fn) for _, fn in probe]
-            result[kind] = {"calls": len(first), "first_ms": round(sum(first), 2),
-                            "repeat_ms": round(sum(again), 2), "loads_over_1ms": sum(f > 1.0 for f in first),
-                            "worst": sorted(((round(f, 2), str(p[0])) for f, p in zip(first, probe)), reverse=True)[:4]}
+            for op in sorted({p[0][0] for p in probe}):
+                idx = [i for i, p in enumerate(probe) if p[0][0] == op]
+                result[f"{kind}:{op}"] = {
+                    "calls": len(idx), "first_ms": round(sum(first[i] for i in idx), 2),
+                    "repeat_ms": round(sum(again[i] for i in idx), 2),
+                    "loads_over_1ms": sum(first[i] > 1.0 for i in idx),
+                    "worst": sorted(((round(first[i], 2), str(probe[i][0])) for i in idx), reverse=True)[:3]}
     print("RESULT " + json.dumps(result), flush=True)
 
 
