@@ -22,30 +22,48 @@ Why:
     the attention runs eagerly at the step's real token count.
 
 How:
-    One layer per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
+    One target per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
     ``LinearBase`` layers whose ``quant_method`` is ``UnquantizedLinearMethod``, called the way
     the layer's ``forward`` calls it, ``quant_method.apply(layer, x, bias)`` (vLLM's
-    ``dispatch_unquantized_gemm``: ``F.linear`` on CUDA), on a zero input of M rows, for M
-    = every token count up to 64 and then every 8th, over the eager range (smallest eager
-    size to ``max_num_batched_tokens``). The LM head (``ParallelLMHead`` with
-    ``UnquantizedEmbeddingMethod``) the same way at 1..``max_num_seqs`` rows. Inputs are
-    fresh buffers and outputs are dropped: no state of the engine is read or written
-    besides the weights, which are only read. Quantized layers are not warmed (their GEMMs
-    are other libraries' kernels).
+    ``dispatch_unquantized_gemm``: ``F.linear`` on CUDA), on a zero input of M rows over the
+    eager range (smallest eager size to ``max_num_batched_tokens``); the LM head
+    (``ParallelLMHead`` with ``UnquantizedEmbeddingMethod``) at 1..``max_num_seqs`` rows. Inputs
+    are fresh buffers and outputs are dropped: only the weights are read. Quantized layers
+    are not warmed (their GEMMs are other libraries' kernels).
 
-    MLA (``MLAAttention`` layers with their ``W_UK_T`` / ``W_UV`` absorbed weights), one
-    layer per shape: the query's up-projection ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into
-    a head-major buffer and, where the layer pads no heads, also into a token-major one
-    (0.33 writes there), and the layer's own ``_v_up_proj`` for the output, at B = every
-    token count (as above) up to ``max_num_batched_tokens`` for sparse MLA (DSA: every token
-    goes this way) and up to ``max_num_seqs x reorder_batch_threshold`` decode tokens for
-    dense MLA. Layers on ROCm's AITER BMMs are left to vLLM, which warms those itself.
+    MLA (``MLAAttention`` layers with their ``W_UK_T`` / ``W_UV`` absorbed weights), one target
+    per shape: the query's up-projection ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into a
+    head-major buffer and, where the layer pads no heads, also into a token-major one (0.33
+    writes there), and the layer's own ``_v_up_proj``, at B up to ``max_num_batched_tokens``
+    for sparse MLA (DSA: every token goes this way) and up to ``max_num_seqs x
+    reorder_batch_threshold`` decode tokens for dense MLA. Layers on ROCm's AITER BMMs are left
+    to vLLM, which warms those itself.
 
-Cost: one GEMM per (shape, token count), on every start (cuBLAS keeps nothing across
-processes), mostly cuBLAS's per-shape choice on the CPU: for the tiny DeepSeek-V3.2, 5.2-7.8 s
-for 11 linear shapes x 2072 token counts and 2.0-2.7 s for MLA (1 shape x 2104 counts x 3
-BMMs; the token-major BMM only serves 0.33+, where vLLM writes there); the GPU time of the large
-token counts grows with the layers' sizes. ``KWARM_WARMUPS=-eager_gemm`` turns it off.
+    Three passes, most useful first:
+
+    1. ``exact``: every count up to 64 and the counts this deployment stepped at in earlier
+       runs (learned with ``KWARM_LEARN``, kept in its manifest): their first call then costs
+       what the second does;
+    2. ``grid``: a geometric ladder of counts 9% apart (``kernel_grid``), about 40 counts per
+       shape, which loads most kernels cuBLAS picks;
+    3. ``fill``: every 8th count between, spread first, until ``KWARM_BUDGET`` is spent
+       (kwarm_ext/budget.py): what is left is left to the requests, and the summary says so.
+
+    On CUDA each pass is *captured* into a CUDA graph that is never replayed: cuBLAS makes its
+    choice and the driver loads the kernel at capture, and the GPU computes nothing. Measured
+    on the GPU host (``bench/gemm_coverage.py``, torch 2.11, DeepSeek-V3.2's 12 linear shapes and
+    MLA BMMs): a first call at a captured count cost what a repeat does, exactly as after
+    running it; capturing all 28,032 problems of the old every-8th grid took 9.3 s, against
+    34.6 s running them in the engine. The grid alone (700 problems, 1.0 s) leaves about one
+    kernel load (2-5 ms) per 14 first calls at counts off the grid; the every-8th fill, none
+    for linear layers. A count not warmed still pays cuBLAS's choice, about 0.3 ms per shape:
+    that is what learned counts remove. Capture uses a side stream whose cuBLAS workspace
+    exists before capture starts, in thread-local capture mode; where capture fails, the pass
+    runs the GEMMs instead (one note in the step's variants).
+
+Cost: the passes' problems x about 0.33 ms of CPU (cuBLAS's choice), no GPU time when
+captured: published-size DeepSeek-V3.2 exact + grid about 0.3 s, the full fill 9 s (hence the
+budget). ``KWARM_WARMUPS=-eager_gemm`` turns it off.
 
 cuBLASLt's heuristics cache: cuBLAS remembers its choice per exact problem in one cache per
 process, 8192 entries by default (least recently used out first), and this family makes far
@@ -56,8 +74,8 @@ this family had run. Before warming on CUDA, the family raises the cache's capac
 (``cublasLtHeuristicsCacheSetCapacity``, on the cuBLASLt library torch loaded) to what it
 warms plus the default 8192 for everything else, about 360 bytes of host memory per entry
 (tiny DeepSeek-V3.2: 37,312 entries, about 13 MB); a capacity already larger
-(``CUBLASLT_HEURISTICS_CACHE_CAPACITY``) is kept. Each step also warms its token counts from
-the largest down, so that where the capacity cannot be raised the smallest, most frequent
+(``CUBLASLT_HEURISTICS_CACHE_CAPACITY``) is kept. The unbudgeted passes warm each shape's counts
+from the largest down, so that where the capacity cannot be raised the smallest, most frequent
 counts are the ones left in the cache. Measured on the GPU host (``bench/gemm_warm_match.py``):
 a problem warmed before 9,000 others cost 0.82 ms on its next call (5 shapes), 0.18 ms with
 the capacity raised (0.15 ms when nothing came in between); in the engine benchmark (call 16)
@@ -71,6 +89,11 @@ Remove when:
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
+
+from kwarm_ext import budget, config
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.runner import eager_range, runner_models
 from kwarm_ext.vllm_compat import Missing, resolve
@@ -83,9 +106,22 @@ _LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead"
 _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
 _MLA = ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",)
 _OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled", "is_amx_bmm_enabled")
-EVERY_UP_TO = 64  # every token count up to this one, then every STRIDE-th
-STRIDE = 8
+EXACT_UP_TO = 64  # every token count up to this one is warmed exactly (decode-sized steps)
+FILL_STRIDE = 8  # the fill pass: every 8th token count above EXACT_UP_TO
+GRID_STEPS_PER_DOUBLING = 8  # the kernel grid: counts about 9% apart
 _details: dict = {}
+
+
+@dataclasses.dataclass
+class Target:
+    """One GEMM shape to warm: `warm(m)` makes its call(s) at m rows; `first..last` its counts."""
+
+    kind: str  # linear | lm_head | mla_bmm
+    label: str
+    first: int
+    last: int
+    calls: int  # GEMM problems per token count
+    prepare: object  # () -> warm(m): allocates the inputs (outside any capture)
 
 
 def applies(view) -> str | None:
@@ -97,65 +133,254 @@ def applies(view) -> str | None:
 
 
 def plan(view, forced) -> list:
+    """Steps: the heuristics cache, then three passes over every GEMM target, most useful
+    first: ``exact`` (small and learned token counts), ``grid`` (the kernel grid), ``fill``
+    (every 8th count between, within KWARM_BUDGET)."""
     _details.clear()
     model = model_of(view.runner)
-    first, last = eager_range(view)
     device_type = _device_type(view)
-    steps = []
-    problems = []  # GEMM problems each step will run, for the heuristics cache
-    for name, classes, method, sizes in (
-            ("linear", _LINEAR, _UNQUANTIZED, token_counts(first, last)),
-            ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, token_counts(1, view.max_num_reqs or 0))):
-        try:
-            layers = gemm_layers(model, resolve(*classes), resolve(*method), device_type)
-        except Missing as exc:
-            steps.append(Step(name, KERNEL, skip=str(exc)))
+    targets, skips = gemm_targets(model, view, device_type)
+    if not targets:
+        return skips
+    learned = learned_token_counts(view)
+    passes = [("exact", lambda t: exact_counts(t.first, t.last, learned), False),
+              ("grid", lambda t: kernel_grid(t.first, t.last), False),
+              ("fill", lambda t: fill_counts(t.first, t.last), True)]
+    done = {id(t): set() for t in targets}
+    steps, problems = list(skips), 0
+    for name, counts_of, budgeted in passes:
+        work = []
+        for target in targets:
+            counts = [m for m in counts_of(target) if m not in done[id(target)]]
+            done[id(target)].update(counts)
+            if counts:
+                work.append((target, counts))
+        if not work:
+            steps.append(Step(name, KERNEL, skip="no token counts left to warm"))
             continue
-        if not layers:
-            where = f" on {device_type}" if device_type else ""
-            steps.append(Step(name, KERNEL, skip=f"no unquantized {name} layers{where}"))
-        elif not sizes:
-            steps.append(Step(name, KERNEL, skip="no token counts to warm"))
-        else:
-            steps.append(Step(name, KERNEL, run=_warm(name, layers, sizes)))
-            problems.append(len(layers) * len(sizes))
-    mla, mla_problems = _mla_step(model, view, last, device_type)
-    steps.append(mla)
-    problems.append(mla_problems)
-    if sum(problems):
-        steps.insert(0, _cache_step(sum(problems), device_type))
+        problems += sum(t.calls * len(c) for t, c in work)
+        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted)))
+    steps.insert(0, _cache_step(problems, device_type))
+    _details["learned"] = len(learned)
     return steps
 
 
-def _mla_step(model, view, last: int, device_type: str | None) -> tuple:
-    """(the ``mla_bmm`` step, the number of BMM problems it runs)."""
+def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
+    """(targets, skip steps): one target per GEMM shape of the linear layers, LM head and MLA."""
+    first, last = eager_range(view)
+    targets, skips = [], []
+    for kind, classes, method, lo, hi in (
+            ("linear", _LINEAR, _UNQUANTIZED, first, last),
+            ("lm_head", _LM_HEAD, _LM_HEAD_UNQUANTIZED, 1, view.max_num_reqs or 0)):
+        try:
+            layers = gemm_layers(model, resolve(*classes), resolve(*method), device_type)
+        except Missing as exc:
+            skips.append(Step(kind, KERNEL, skip=str(exc)))
+            continue
+        if not layers:
+            where = f" on {device_type}" if device_type else ""
+            skips.append(Step(kind, KERNEL, skip=f"no unquantized {kind} layers{where}"))
+        elif hi < max(lo, 1):
+            skips.append(Step(kind, KERNEL, skip="no token counts to warm"))
+        else:
+            targets += [Target(kind, f"{name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}",
+                               max(lo, 1), hi, 1, _linear(layer, bias, hi)) for name, layer, bias in layers]
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
-        return Step("mla_bmm", KERNEL, skip=str(exc)), 0
+        return targets, skips + [Step("mla_bmm", KERNEL, skip=str(exc))]
     if not layers:
-        return Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights"), 0
+        return targets, skips + [Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights")]
     decode_rows = (view.max_num_reqs or 0) * _int(getattr(view.runner, "reorder_batch_threshold", None), 1)
-    sized = [(name, layer, token_counts(1, last if _sparse(layer) else min(last, decode_rows)))
-             for name, layer in layers]
-    sized = [entry for entry in sized if entry[2]]
-    if not sized:
-        return Step("mla_bmm", KERNEL, skip="no token counts to warm"), 0
-    problems = sum((2 if _pads_heads(layer) else 3) * len(sizes) for _, layer, sizes in sized)
-    return Step("mla_bmm", KERNEL, run=_warm_mla(sized)), problems
+    for name, layer in layers:
+        hi = last if _sparse(layer) else min(last, decode_rows)
+        if hi >= 1:
+            label = (f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
+                     f"{' sparse' if _sparse(layer) else ''}")
+            targets.append(Target("mla_bmm", label, 1, hi, 2 if _pads_heads(layer) else 3, _mla(layer, hi)))
+    if not any(t.kind == "mla_bmm" for t in targets):
+        skips.append(Step("mla_bmm", KERNEL, skip="no token counts to warm"))
+    return targets, skips
+
+
+def learned_token_counts(view) -> list:
+    """Token counts this deployment's earlier runs stepped at (learn-and-replay's manifest)."""
+    try:
+        from kwarm_ext import learn
+
+        return learn.learned_token_counts(view)
+    except Exception:  # no manifest, unreadable, or learning unavailable: nothing learned
+        return []
+
+
+def exact_counts(first: int, last: int, learned=()) -> list:
+    """Every count from `first` up to EXACT_UP_TO, and the learned counts in range."""
+    if last < first or last < 1:
+        return []
+    first = max(first, 1)
+    return sorted(set(range(first, min(last, EXACT_UP_TO) + 1)) | {m for m in learned if first <= m <= last})
+
+
+def kernel_grid(first: int, last: int, steps_per_doubling: int = GRID_STEPS_PER_DOUBLING) -> list:
+    """A geometric ladder from `first` to `last`, `steps_per_doubling` counts per doubling
+    (about 9% apart), and `last`: cheap, and it reaches most kernels cuBLAS picks between."""
+    if last < first or last < 1:
+        return []
+    first = max(first, 1)
+    sizes, i = {first, last}, 0
+    while (m := round(first * 2 ** (i / steps_per_doubling))) < last:
+        sizes.add(m)
+        i += 1
+    return sorted(sizes)
+
+
+def fill_counts(first: int, last: int) -> list:
+    """Every FILL_STRIDE-th count above EXACT_UP_TO, spread first: any prefix of the list
+    covers the range evenly (bit-reversed order), so a budget cut leaves no large hole."""
+    if last < first or last < 1:
+        return []
+    start = max(first, EXACT_UP_TO + 1)
+    sizes = list(range(start, last + 1, FILL_STRIDE))
+    bits = max(1, (len(sizes) - 1).bit_length())
+    order = sorted(range(len(sizes)), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+    return [sizes[i] for i in order]
 
 
 def details() -> dict:
-    """What ran, for the summary line: shapes and token counts per step."""
+    """What ran, for the summary line: per pass, the problems warmed and any left to the requests."""
     if not _details:
         return {}
-    parts = [f"{d['shapes']} {name} GEMM shapes x {d['counts']} token counts (M {d['M'][0]}..{d['M'][1]})"
-             for name, d in _details.items() if name != "heuristics_cache"]
+    parts = []
+    for name in ("exact", "grid", "fill"):
+        d = _details.get(name)
+        if d:
+            text = f"{name} {d['warmed']} problems"
+            if d["left"]:
+                text += f" ({d['left']} left to the requests: KWARM_BUDGET)"
+            parts.append(text)
+    first = next((d for d in (_details.get(n) for n in ("exact", "grid", "fill")) if d), None)
+    if first:
+        parts.append(f"{first['targets']} GEMM shapes, {first['mode']}")
+    if _details.get("learned"):
+        parts.append(f"{_details['learned']} learned token counts")
     cache = _details.get("heuristics_cache")
     if cache:
         parts.append(f"cuBLASLt heuristics cache {cache['before']} -> {cache['after']} entries"
                      if cache["after"] is not None else f"cuBLASLt heuristics cache: {cache['reason']}")
     return {"summary": ", ".join(parts), **_details}
+
+
+def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
+    """One pass: each target at its counts, largest first; on CUDA captured into a CUDA graph
+    that is never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
+    nothing), elsewhere run. A budgeted pass stops when KWARM_BUDGET is spent."""
+    def step():
+        import torch
+
+        with torch.inference_mode():
+            calls = [(target, target.prepare()) for target, _ in work]
+            order = _order([counts for _, counts in work], interleave=budgeted)
+            try:
+                with _session(torch, device_type) as mode:
+                    warmed, left = _warm(calls, order, budgeted)
+            except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
+                if device_type != "cuda" or config.get().strict:
+                    raise
+                mode = f"run (capture failed: {type(exc).__name__}: {exc})"
+                warmed, left = _warm(calls, order, budgeted)
+        _details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
+                          "counts": max(len(c) for _, c in work)}
+        return [f"{target.label}: {len(counts)} counts (M {min(counts)}..{max(counts)})" for target, counts in work] \
+            + [f"{warmed} GEMM problems {mode}" + (f", {left} left to the requests (KWARM_BUDGET)" if left else "")]
+
+    return step
+
+
+def _order(counts: list, interleave: bool) -> list:
+    """(target index, m) in warming order: target by target, largest count first; or, for a
+    budgeted pass, round-robin over the targets in each list's own (spread) order, so that a
+    budget cut leaves every shape equally covered."""
+    if not interleave:
+        return [(i, m) for i, ms in enumerate(counts) for m in sorted(ms, reverse=True)]
+    return [(i, ms[k]) for k in range(max(map(len, counts), default=0)) for i, ms in enumerate(counts) if k < len(ms)]
+
+
+def _warm(calls: list, order: list, budgeted: bool) -> tuple[int, int]:
+    """Warm `order`; returns (problems warmed, problems left when the budget ran out)."""
+    warmed = 0
+    for n, (i, m) in enumerate(order):
+        if budgeted and budget.left() <= 0:
+            return warmed, sum(calls[j][0].calls for j, _ in order[n:])
+        calls[i][1](m)
+        warmed += calls[i][0].calls
+    return warmed, 0
+
+
+@contextlib.contextmanager
+def _session(torch, device_type: str | None):
+    """Yields how the GEMMs run: "captured" (a CUDA graph, discarded) or "run". Capture uses a
+    side stream whose cuBLAS workspace exists before capture begins, and thread-local capture
+    mode, so that vLLM's other threads are not affected."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        yield "run"
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        a = torch.zeros((8, 8), dtype=torch.bfloat16, device="cuda")
+        torch.addmm(a, a, a), torch.mm(a, a), torch.bmm(a[None], a[None])  # workspaces, outside capture
+        stream.synchronize()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            yield "captured into a CUDA graph, not run"
+        finally:
+            graph.capture_end()
+            del graph
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _linear(layer, bias, rows: int):
+    """prepare(): a zero input of up to `rows` rows, contiguous at every count like the
+    layer's real input; warm(m) calls the layer's own ``quant_method.apply``."""
+    def prepare():
+        import torch
+
+        weight = layer.weight
+        flat = torch.zeros(rows * weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+        def warm(m):
+            layer.quant_method.apply(layer, flat[:m * weight.shape[1]].view(m, weight.shape[1]), bias)
+
+        return warm
+
+    return prepare
+
+
+def _mla(layer, rows: int):
+    """prepare(): the query as the attention gets it, (B, N, nope + rope), and the latent
+    output; warm(m): the up-projection BMM into a head-major buffer and, where the layer pads
+    no heads, a token-major one (0.33 writes there), and the layer's own ``_v_up_proj``."""
+    def prepare():
+        import torch
+
+        heads, uk, uv = layer.num_heads, layer.W_UK_T, layer.W_UV
+        nope, lora = uk.shape[1], uk.shape[2]
+        q = torch.zeros((rows, heads, nope + layer.qk_rope_head_dim), dtype=uk.dtype, device=uk.device)
+        q_nope = q[..., :nope].transpose(0, 1)
+        latent = torch.zeros((rows, heads * lora), dtype=uv.dtype, device=uv.device)
+        out = torch.empty((rows, heads * uv.shape[2]), dtype=uv.dtype, device=uv.device)
+        token_major = not _pads_heads(layer)
+
+        def warm(m):
+            torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((heads, m, lora)))
+            if token_major:
+                torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((m, heads, lora)).transpose(0, 1))
+            layer._v_up_proj(latent[:m], out[:m])
+
+        return warm
+
+    return prepare
 
 
 def model_of(runner):
@@ -167,32 +392,6 @@ def model_of(runner):
 def _device_type(view) -> str | None:
     """The runner's device type ("cuda" of the engine view's "cuda:0"), or None."""
     return view.device.split(":")[0] if view.device else None
-
-
-def token_counts(first: int, last: int) -> list:
-    """Every count from `first` up to EVERY_UP_TO, then every STRIDE-th, and `last`."""
-    if last < first or last < 1:
-        return []
-    first = max(first, 1)
-    sizes = list(range(first, min(last, EVERY_UP_TO) + 1))
-    sizes += range(sizes[-1] + STRIDE if sizes else first, last + 1, STRIDE)
-    return sizes if sizes[-1] == last else sizes + [last]
-
-
-def kernel_grid(first: int, last: int, steps_per_doubling: int = 8) -> list:
-    """Token counts from `first` to `last` that reach every kernel cuBLAS picks between them:
-    every count up to 16, then a geometric ladder of `steps_per_doubling` counts per doubling
-    (about 9% apart), and `last`."""
-    if last < first or last < 1:
-        return []
-    first = max(first, 1)
-    sizes = set(range(first, min(last, 16) + 1))
-    base, i = max(first, 16), 0
-    while (m := round(base * 2 ** (i / steps_per_doubling))) < last:
-        sizes.add(m)
-        i += 1
-    sizes.add(last)
-    return sorted(sizes)
 
 
 def _int(value, default: int) -> int:
@@ -246,52 +445,6 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
         key = (tuple(weight.shape), tuple(weight.stride()), str(weight.dtype), str(weight.device), bias is not None)
         seen.setdefault(key, (name, layer, bias))
     return list(seen.values())
-
-
-def _warm(name: str, layers: list, sizes: list):
-    def step():
-        import torch
-
-        with torch.inference_mode():
-            for _, layer, bias in layers:
-                weight = layer.weight
-                rows = torch.zeros((sizes[-1], weight.shape[1]), dtype=weight.dtype, device=weight.device)
-                for m in reversed(sizes):  # the smallest last: the ones a full cache keeps
-                    layer.quant_method.apply(layer, rows[:m], bias)
-        _details[name] = {"shapes": len(layers), "counts": len(sizes), "M": [sizes[0], sizes[-1]]}
-        return [f"{layer_name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}"
-                for layer_name, layer, bias in layers] + [f"M {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"]
-
-    return step
-
-
-def _warm_mla(sized: list):
-    def step():
-        import torch
-
-        with torch.inference_mode():
-            for _, layer, sizes in sized:
-                heads, rows = layer.num_heads, sizes[-1]
-                uk, uv = layer.W_UK_T, layer.W_UV
-                nope, lora = uk.shape[1], uk.shape[2]
-                # the query as the attention gets it, (B, N, nope + rope), its nope part (N, B, P)
-                q = torch.zeros((rows, heads, nope + layer.qk_rope_head_dim), dtype=uk.dtype, device=uk.device)
-                q_nope = q[..., :nope].transpose(0, 1)
-                latent = torch.zeros((rows, heads * lora), dtype=uv.dtype, device=uv.device)
-                out = torch.empty((rows, heads * uv.shape[2]), dtype=uv.dtype, device=uv.device)
-                token_major = not _pads_heads(layer)
-                for m in reversed(sizes):
-                    torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((heads, m, lora)))
-                    if token_major:
-                        torch.bmm(q_nope[:, :m], uk, out=q_nope.new_empty((m, heads, lora)).transpose(0, 1))
-                    layer._v_up_proj(latent[:m], out[:m])
-        _details["mla_bmm"] = {"shapes": len(sized), "counts": max(len(sizes) for _, _, sizes in sized),
-                               "M": [min(s[0] for _, _, s in sized), max(s[-1] for _, _, s in sized)]}
-        return [f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
-                f"{' sparse' if _sparse(layer) else ''}: B {sizes[0]}..{sizes[-1]} ({len(sizes)} counts)"
-                for name, layer, sizes in sized]
-
-    return step
 
 
 # ---------------------------------------------------------------------------- cuBLASLt heuristics cache

@@ -32,6 +32,9 @@ VARIABLES = {
                             "new was recorded); 0 saves at exit only. Default 60.",
     "KWARM_MANIFEST": "Path of the learn-and-replay manifest. Default: "
                       "$XDG_CACHE_HOME/kwarm/ (or ~/.cache/kwarm/), one file per model and versions.",
+    "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 10% of the "
+                    "time vLLM ran before kwarm's warmup, at least 2 s), `N` seconds, `N%` of that time "
+                    "(at least 2 s), or `unlimited`. Work that removes a compile always runs.",
     "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
                            "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
                            "allows pkg and its submodules.",
@@ -78,6 +81,7 @@ class Settings:
     learn_interval: float = 60.0
     manifest: str | None = None
     allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
+    budget: tuple = ("percent", 10.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value)
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
 
     @property
@@ -90,7 +94,8 @@ class Settings:
                 "KWARM_STRICT": self.strict, "KWARM_LOG_LEVEL": self.log_level,
                 "KWARM_REPORT": self.report, "KWARM_LEARN": self.learn,
                 "KWARM_LEARN_INTERVAL": self.learn_interval, "KWARM_MANIFEST": self.manifest,
-                "KWARM_ALLOW_MODULES": ",".join(self.allowed_modules)}
+                "KWARM_ALLOW_MODULES": ",".join(self.allowed_modules),
+                "KWARM_BUDGET": _describe_budget(self.budget)}
 
 
 def is_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -136,6 +141,7 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
                     learn_interval=_parse_interval(env.get("KWARM_LEARN_INTERVAL"), bad),
                     manifest=_parse_file_path(env, "KWARM_MANIFEST", bad),
                     allow_modules=_parse_allow_modules(env.get("KWARM_ALLOW_MODULES"), bad),
+                    budget=_parse_budget(env.get("KWARM_BUDGET"), bad),
                     problems=tuple(problems))
 
 
@@ -172,6 +178,36 @@ def _parse_interval(raw, bad) -> float:
         bad("KWARM_LEARN_INTERVAL", raw, "60", "expected a number of seconds >= 0")
         return 60.0
     return value
+
+
+DEFAULT_BUDGET = ("percent", 10.0)
+MAX_BUDGET_S = 86400.0
+
+
+def _parse_budget(raw, bad) -> tuple:
+    """``auto``, ``N``/``Ns`` seconds, ``N%`` or ``unlimited`` -> (kind, value)."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return DEFAULT_BUDGET
+    text = raw.strip().lower()
+    if text in ("unlimited", "none", "inf"):
+        return ("unlimited", None)
+    kind, number = ("percent", text[:-1]) if text.endswith("%") else ("seconds", text.removesuffix("s"))
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    top = 1000.0 if kind == "percent" else MAX_BUDGET_S
+    if not 0 <= value <= top:
+        bad("KWARM_BUDGET", raw, "auto", f"expected auto, unlimited, seconds (0..{top:g}) or a percentage (0..1000%)")
+        return DEFAULT_BUDGET
+    return (kind, value)
+
+
+def _describe_budget(budget: tuple) -> str:
+    kind, value = budget
+    if budget == DEFAULT_BUDGET:
+        return "auto"
+    return "unlimited" if kind == "unlimited" else f"{value:g}{'%' if kind == 'percent' else ' s'}"
 
 
 _MODULE_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.?$")

@@ -39,6 +39,8 @@ class Recorder:
         self._kernels: set = set()  # (module, qualname) of everything recorded
         self._paused = 0
         self._refused: set = set()  # modules already logged as not allow-listed
+        self._token_counts: set = set()  # step sizes seen (all)
+        self._unsaved_counts: list = []
 
     def on_compile(self, kwargs: dict) -> None:
         if self._paused:
@@ -78,15 +80,30 @@ class Recorder:
             with self._lock:
                 self._paused -= 1
 
+    def on_step(self, num_tokens) -> None:
+        """A model step of `num_tokens` scheduled tokens (the runner's ``execute_model``)."""
+        if type(num_tokens) is int and num_tokens > 0 and num_tokens not in self._token_counts:
+            with self._lock:
+                if num_tokens not in self._token_counts:
+                    self._token_counts.add(num_tokens)
+                    self._unsaved_counts.append(num_tokens)
+
     def take_unsaved(self) -> list:
         with self._lock:
             out, self._unsaved = self._unsaved, []
         return out
 
-    def give_back(self, entries: list) -> None:
-        """Entries whose save failed: the next save tries them again."""
+    def take_unsaved_counts(self) -> list:
+        """Step sizes not saved yet."""
+        with self._lock:
+            out, self._unsaved_counts = self._unsaved_counts, []
+        return out
+
+    def give_back(self, entries: list, counts=()) -> None:
+        """Entries and step sizes whose save failed: the next save tries them again."""
         with self._lock:
             self._unsaved[:0] = entries
+            self._unsaved_counts[:0] = list(counts)
 
     def kernels(self) -> set:
         with self._lock:
@@ -133,16 +150,16 @@ class Learner:
     def save(self, why: str) -> manifest.SaveResult | None:
         """Merge what is new into the manifest; None when nothing new was recorded."""
         with self._save_lock:
-            entries = self.recorder.take_unsaved()
+            entries, counts = self.recorder.take_unsaved(), self.recorder.take_unsaved_counts()
             kernels = self.recorder.kernels() | self.known_kernels
             choices = [c for c in snapshot_choices(kernels, self.recorder.allowed)
                        if c.identity not in self.saved_choices]
-            if not entries and not choices:
+            if not entries and not choices and not counts:
                 return None
             try:
-                result = manifest.save(self.path, self.stamp, entries, choices)
+                result = manifest.save(self.path, self.stamp, entries, choices, counts)
             except BaseException:
-                self.recorder.give_back(entries)
+                self.recorder.give_back(entries, counts)
                 raise
             self.saved_choices.update(c.identity for c in choices)
             self.learned += result.added
@@ -210,10 +227,44 @@ def begin(view) -> Learner:
         from multiprocessing import util
 
         util.Finalize(None, _save_at_exit, exitpriority=100)  # multiprocessing children skip atexit on fork
+    if view.runner is not None:
+        record_steps(view.runner, learner.recorder)
     if learner.interval > 0:
         threading.Thread(target=learner.run_periodically, name="kwarm-learn", daemon=True).start()
     logger.info("kwarm: learning: compilations after kwarm's warmup go to %s", path)
     return learner
+
+
+def record_steps(runner, recorder: Recorder) -> bool:
+    """Note each step's token count, for ``eager_gemm``'s exact pass at the next start.
+
+    Why: cuBLAS chooses a kernel per exact GEMM problem (about 0.3 ms per weight shape on a
+    count never run, more where it loads a kernel); the counts a deployment really steps at
+    are the ones worth warming exactly (BENCHMARKS.md, "cuBLAS GEMMs").
+    How: this runner's ``execute_model`` is replaced, on the instance only and only while
+    learning, by a function that reads ``scheduler_output.total_num_scheduled_tokens`` (V1
+    and Model Runner V2, vLLM 0.20-0.33) and calls the original. Nothing else changes.
+    Remove when: vLLM records the step sizes it served (no release does, 0.20-0.33).
+    Returns False where the runner has no ``execute_model`` (nothing is recorded)."""
+    real = getattr(runner, "execute_model", None)
+    if not callable(real) or getattr(real, "_kwarm_recording", False):
+        return False
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        recorder.on_step(getattr(scheduler_output, "total_num_scheduled_tokens", None))
+        return real(scheduler_output, *args, **kwargs)
+
+    execute_model._kwarm_recording = True
+    execute_model.__wrapped__ = real
+    runner.execute_model = execute_model
+    return True
+
+
+def learned_token_counts(view) -> list:
+    """The step sizes this deployment's manifest holds (empty without a usable one)."""
+    stamp, path = deployment(view)
+    known = _known_manifest(path, stamp)
+    return list(known.token_counts)
 
 
 def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:

@@ -29,6 +29,8 @@ FORMAT = "kwarm-manifest"
 FORMAT_VERSION = 1
 MAX_BYTES = 64 << 20  # a manifest of a large deployment is a few MB; refuse absurd files
 OPTION_VALUE = (type(None), bool, int, float, str)
+MAX_TOKEN_COUNTS = 4096  # learned step sizes kept per manifest (eager_gemm warms them exactly)
+MAX_TOKENS = 1 << 20  # a step's token count above this is not a real one
 
 
 class BadManifest(ValueError):
@@ -120,10 +122,16 @@ class Manifest:
     entries: list = dataclasses.field(default_factory=list)  # [Entry]
     autotune: list = dataclasses.field(default_factory=list)  # [TuneChoice]
     problems: list = dataclasses.field(default_factory=list)  # (label, reason) of dropped items
+    token_counts: list = dataclasses.field(default_factory=list)  # step sizes seen, first seen first
 
-    def merge(self, entries=(), autotune=()) -> int:
-        """Add what is new (by identity; a key's first recorded choice wins). Returns how many."""
-        added = 0
+    def merge(self, entries=(), autotune=(), token_counts=()) -> int:
+        """Add what is new (by identity; a key's first recorded choice wins; at most
+        MAX_TOKEN_COUNTS step sizes, the first seen kept). Returns how many."""
+        known = set(self.token_counts)
+        fresh = [m for m in dict.fromkeys(token_counts) if m not in known]
+        fresh = fresh[:max(0, MAX_TOKEN_COUNTS - len(self.token_counts))]
+        self.token_counts += fresh
+        added = len(fresh)
         for mine, theirs in ((self.entries, entries), (self.autotune, autotune)):
             seen = {item.identity for item in mine}
             for item in theirs:
@@ -137,7 +145,8 @@ class Manifest:
         return {"format": FORMAT, "version": FORMAT_VERSION, "stamp": dataclasses.asdict(self.stamp),
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "entries": [e.as_json() for e in sorted(self.entries, key=lambda e: e.identity)],
-                "autotune": [c.as_json() for c in sorted(self.autotune, key=lambda c: c.identity)]}
+                "autotune": [c.as_json() for c in sorted(self.autotune, key=lambda c: c.identity)],
+                "token_counts": sorted(self.token_counts)}
 
     def kernels(self) -> dict:
         """``module:qualname`` -> {"entries": [...], "autotune": [...]}, for listings."""
@@ -195,7 +204,21 @@ def parse(text: str) -> Manifest:
             except (TypeError, ValueError, KeyError) as exc:
                 manifest.problems.append((_raw_label(raw), f"malformed: {exc}"))
         manifest.merge(**{field: good})
+    manifest.merge(token_counts=_token_counts(data.get("token_counts", []), manifest.problems))
     return manifest
+
+
+def _token_counts(raw, problems: list) -> list:
+    """The learned step sizes: ints in 1..MAX_TOKENS, at most MAX_TOKEN_COUNTS; else dropped
+    (one problem line)."""
+    if not isinstance(raw, list):
+        problems.append(("token_counts", "malformed: not a list"))
+        return []
+    good = [m for m in raw[:MAX_TOKEN_COUNTS] if type(m) is int and 1 <= m <= MAX_TOKENS]
+    if len(good) < len(raw):
+        problems.append(("token_counts", f"malformed: {len(raw) - len(good)} of {len(raw)} dropped "
+                         f"(ints 1..{MAX_TOKENS}, at most {MAX_TOKEN_COUNTS})"))
+    return good
 
 
 def _stamp(raw) -> Stamp:
@@ -381,7 +404,7 @@ class SaveResult:
     note: str | None = None  # why an existing file was replaced rather than merged
 
 
-def save(path: str, stamp: Stamp, entries=(), autotune=()) -> SaveResult:
+def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> SaveResult:
     """Merge `entries`/`autotune` into the manifest at `path`, under a lock, atomically.
 
     Several TP ranks and processes may call this at once: the read-merge-write runs under an
@@ -392,7 +415,7 @@ def save(path: str, stamp: Stamp, entries=(), autotune=()) -> SaveResult:
     os.makedirs(directory, mode=0o700, exist_ok=True)
     with _locked(path + ".lock"):
         current, note = _existing(path, stamp)
-        added = current.merge(entries, autotune)
+        added = current.merge(entries, autotune, token_counts)
         if added or note or not os.path.exists(path):
             _write_atomic(path, current.as_json())
     return SaveResult(path, added, len(current.entries) + len(current.autotune), note)

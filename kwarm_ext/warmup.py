@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from kwarm_ext import config, engine, monitor
+from kwarm_ext import budget, config, engine, monitor
 from kwarm_ext.families import FAMILIES
 
 logger = logging.getLogger("kwarm")
@@ -72,7 +72,8 @@ def run(worker) -> dict:
     """Warm `worker`; returns the report (also written to KWARM_REPORT)."""
     settings = config.get()
     t0 = time.perf_counter()
-    report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None}
+    report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None,
+              "budget": budget.begin(settings.budget)}
     try:
         view = guarded("engine view", lambda: engine.build(worker))
     except StepFailed:
@@ -95,8 +96,8 @@ def run(worker) -> dict:
     report["total_s"] = round(time.perf_counter() - t0, 4)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
-    logger.info("kwarm: warmup done in %.2f s on rank %s: %s%s",
-                report["total_s"], rank, _outcome(results), _learning_text(learning))
+    logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",
+                report["total_s"], rank, report["budget"], _outcome(results), _learning_text(learning))
     _write(report, settings, rank)
     _pending[id(worker)] = (view, report)
     return report

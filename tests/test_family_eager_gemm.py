@@ -16,6 +16,7 @@ each GEMM got; what the GPU gains (cuBLAS choosing and loading kernels) is measu
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -34,6 +35,7 @@ import kwarm_ext.warmup as warmup
 from kwarm_ext import config
 
 CASES = json.loads(__ARGS__)
+TMP = __import__("tempfile").mkdtemp()
 calls = []
 
 
@@ -118,6 +120,17 @@ def run_case(case):
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         compilation_config=runner.compilation_config)
     os.environ["KWARM_WARMUPS"] = "eager_gemm"
+    for var in ("KWARM_BUDGET", "KWARM_MANIFEST"):
+        os.environ.pop(var, None)
+    os.environ.update(case.get("env", {}))
+    if case.get("learned"):
+        import sys
+        sys.path.insert(0, case["tests_dir"])
+        import replay_kernels  # STAND-IN for the GPU driver a manifest's stamp names (none on CPU)
+        replay_kernels.install_fake_driver()
+        from kwarm_ext import manifest
+        os.environ["KWARM_MANIFEST"] = path = os.path.join(TMP, "learned.json")
+        manifest.save(path, manifest.current_stamp(model=None, tp_size=1), token_counts=case["learned"])
     config.reset()
     logs = []
     handler = logging.Handler()
@@ -165,16 +178,25 @@ with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")
 '''
 
 GRAPHS = {"mode": "FULL_AND_PIECEWISE", "capture": 32, "max_tokens": 200, "max_num_reqs": 4}
+LAYERS = ["column", "column_twin", "row_bias", "row_skip_bias", "router", "lm_head"]
 CASES = {
-    "model": dict(GRAPHS, layers=["column", "column_twin", "row_bias", "row_skip_bias", "router", "lm_head"]),
-    "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"]),
+    "model": dict(GRAPHS, layers=LAYERS, env={"KWARM_BUDGET": "unlimited"}),
+    "no_budget": dict(GRAPHS, layers=LAYERS, env={"KWARM_BUDGET": "0"}),
+    "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"], env={"KWARM_BUDGET": "unlimited"}),
     "no_linear": dict(GRAPHS, layers=[]),
     "offloaded": dict(GRAPHS, layers=["router", "lm_head"], device="cuda:0"),  # the layers stay on CPU
-    "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"]),
+    "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"],
+                env={"KWARM_BUDGET": "unlimited"}),
     "mla_offloaded": dict(GRAPHS, layers=["mla_sparse"], device="cuda:0"),
+    # last: it installs a stand-in Triton driver, for the manifest's stamp
+    "learned": dict(GRAPHS, layers=["router", "lm_head", "mla_sparse"], learned=[150, 77, 3, 5000],
+                    env={"KWARM_BUDGET": "0"}, tests_dir=os.path.dirname(os.path.abspath(__file__))),
 }
-# 33..64 one by one, then every 8th up to 200 (the largest batch), warmed from the largest down
-EAGER = (list(range(33, 65)) + list(range(72, 201, 8)))[::-1]
+# the eager range is 33..200 (graphs up to 32 tokens, 200 batched tokens at most)
+EXACT = list(range(33, 65))
+# 33 x 2^(i/8), rounded, up to 200: the kernel grid (its counts up to 64 are exact ones already)
+GRID = [33, 36, 39, 43, 47, 51, 55, 61, 66, 72, 78, 86, 93, 102, 111, 121, 132, 144, 157, 171, 187, 200]
+FILL = list(range(65, 201, 8))  # every 8th count above 64
 
 
 pytestmark = pytest.mark.parametrize("release", MATRIX)
@@ -194,35 +216,72 @@ def _ms(result, layer):
     return [c["M"] for c in result["calls"] if c["layer"] == layer]
 
 
-def test_one_layer_per_gemm_shape_at_every_eager_token_count(release):
+def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     result = _batch(release)["model"]
     family = result["family"]
     assert family["status"] == "ran", family
     steps = _steps(result)
-    assert steps["linear"]["status"] == steps["lm_head"]["status"] == "ran"
+    assert [s["name"] for s in family["steps"]] == ["heuristics_cache", "mla_bmm", "exact", "grid", "fill"]
+    assert all(steps[n]["status"] == "ran" for n in ("exact", "grid", "fill")), steps
     # column and its twin share a shape: only the first is called; a bias the layer adds
     # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
-    assert _ms(result, "column") == EAGER and _ms(result, "column_twin") == []
-    assert _ms(result, "row_bias") == EAGER and _ms(result, "row_skip_bias") == EAGER
+    column = _ms(result, "column")
+    assert _ms(result, "column_twin") == []
+    # exact: 64..33, largest first; then the grid's counts above 64; then the fill, spread
+    grid_rest = [m for m in GRID if m > 64][::-1]
+    fill_rest = [m for m in FILL if m not in GRID]
+    assert column[:len(EXACT)] == EXACT[::-1]
+    assert column[len(EXACT):len(EXACT) + len(grid_rest)] == grid_rest
+    fill = column[len(EXACT) + len(grid_rest):]
+    assert sorted(fill) == sorted(fill_rest) and len(fill) == len(set(fill)), "each count once"
+    assert fill[:3] == [65, 193, 129], "spread first: bit-reversed order over the fill's counts"
+    assert _ms(result, "row_bias") == column and _ms(result, "row_skip_bias") == column
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_bias"} == {True}
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_skip_bias"} == {False}
-    assert _ms(result, "router") == EAGER
-    assert _ms(result, "lm_head") == [4, 3, 2, 1], "the LM head at 1..max_num_seqs rows"
+    assert _ms(result, "lm_head") == [4, 3, 2, 1], "the LM head at 1..max_num_seqs rows, once each"
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "weights and biases are only read"
-    assert "M 33..200 (49 counts)" in steps["linear"]["variants"]
     assert steps["mla_bmm"]["status"] == "skipped"
     assert steps["mla_bmm"]["reason"] == "no MLA layers with absorbed cuBLAS weights"
-    assert family["details"]["summary"] == ("4 linear GEMM shapes x 49 token counts (M 33..200), "
-                                            "1 lm_head GEMM shapes x 4 token counts (M 1..4)")
-    # cuBLASLt's heuristics cache is raised for CUDA runners only; 4 x 49 + 1 x 4 problems
+    problems = 4 * len(column) + 4
+    assert family["details"]["summary"].startswith(
+        f"exact {4 * len(EXACT) + 4} problems, grid {4 * len(grid_rest)} problems, fill {4 * len(fill_rest)} problems, "
+        "5 GEMM shapes, run")
+    # cuBLASLt's heuristics cache is raised for CUDA runners only
     assert steps["heuristics_cache"]["status"] == "skipped"
-    assert steps["heuristics_cache"]["reason"] == "runner device unknown is not CUDA (200 GEMM problems)"
+    assert steps["heuristics_cache"]["reason"] == f"runner device unknown is not CUDA ({problems} GEMM problems)"
+
+
+def test_a_spent_budget_leaves_the_fill_to_the_requests(release):
+    result = _batch(release)["no_budget"]
+    steps = _steps(result)
+    grid_rest = [m for m in GRID if m > 64]
+    assert sorted(_ms(result, "column")) == sorted(EXACT + grid_rest), "exact and grid run whatever the budget"
+    left = 4 * len([m for m in FILL if m not in GRID])
+    assert steps["fill"]["status"] == "ran"
+    assert steps["fill"]["variants"][-1] == f"0 GEMM problems run, {left} left to the requests (KWARM_BUDGET)"
+    assert f"fill 0 problems ({left} left to the requests: KWARM_BUDGET)" in result["family"]["details"]["summary"]
+
+
+def test_learned_token_counts_are_warmed_exactly_first(release):
+    result = _batch(release)["learned"]
+    exact = _steps(result)["exact"]
+    assert exact["status"] == "ran"
+    router = _ms(result, "router")
+    # in the eager range (33..200): 150 and 77 join 33..64; 3 is below it, 5000 above it
+    assert router[:len(EXACT) + 2] == sorted(EXACT + [77, 150], reverse=True)
+    assert router.count(150) == router.count(77) == 1 and 3 not in router and 5000 not in router
+    assert _ms(result, "lm_head") == [4, 3, 2, 1]
+    # sparse MLA runs at every count up to 200: exact 1..64 and the learned 77, 150
+    mla = _ms(result, "mla_sparse.W_UV")
+    assert mla[:66] == sorted(list(range(1, 65)) + [77, 150], reverse=True)
+    assert "4 learned token counts" in result["family"]["details"]["summary"]
+    assert result["family"]["details"]["learned"] == 4
 
 
 def test_without_cuda_graphs_from_one_token(release):
     result = _batch(release)["no_graphs"]
-    assert _ms(result, "router") == (list(range(1, 65)) + [70])[::-1]
+    assert sorted(_ms(result, "router")) == list(range(1, 66)) + [70]
 
 
 def test_no_linear_layers_is_a_skip(release):
@@ -242,19 +301,19 @@ def test_weights_off_the_runners_device_are_left_alone(release, case, reasons):
     assert {name: _steps(result)[name]["reason"] for name in reasons} == reasons
 
 
-# every count to 64, then every 8th up to max_num_batched_tokens: CUDA graphs do not hold the attention
-ALL_TOKENS = (list(range(1, 65)) + list(range(72, 201, 8)))[::-1]
-
-
 def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dense(release):
     result = _batch(release)["mla"]
     steps = _steps(result)
-    assert steps["mla_bmm"]["status"] == "ran", steps["mla_bmm"]
+    assert steps["exact"]["status"] == "ran", steps
     # sparse MLA (DSA): every token takes the absorbed path, so B runs over all token counts;
     # the query's BMM into both output layouts (no padded heads), the layer's own _v_up_proj
-    assert _ms(result, "mla_sparse.W_UK_T") == [m for m in ALL_TOKENS for _ in (0, 1)]
+    uv = _ms(result, "mla_sparse.W_UV")
+    # exact 1..64, the grid from 1 (2^(i/8)) above 64, and the fill
+    ladder = [70, 76, 83, 91, 99, 108, 117, 128, 140, 152, 166, 181, 197, 200]
+    assert sorted(uv) == sorted(set(range(1, 65)) | set(ladder) | set(FILL))
+    assert len(uv) == len(set(uv)), "each count once"
+    assert _ms(result, "mla_sparse.W_UK_T") == [m for m in uv for _ in (0, 1)]
     assert [c["token_major"] for c in result["calls"] if c["layer"] == "mla_sparse.W_UK_T" and c["M"] == 2] == [False, True]
-    assert _ms(result, "mla_sparse.W_UV") == ALL_TOKENS
     assert _ms(result, "mla_sparse_twin.W_UK_T") == [], "one layer per shape"
     # dense MLA: only decode tokens, up to max_num_seqs x reorder_batch_threshold = 4 x 2;
     # padded heads: the head-major buffer only
@@ -263,10 +322,7 @@ def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dens
     assert _ms(result, "mla_aiter.W_UK_T") == _ms(result, "mla_aiter.W_UV") == [], "AITER's BMMs are vLLM's"
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "the absorbed weights are only read"
-    assert "mla_dense W_UK_T (4, 16, 32) W_UV (4, 32, 16): B 1..8 (8 counts)" in steps["mla_bmm"]["variants"]
-    assert result["family"]["details"]["mla_bmm"] == {"shapes": 2, "counts": 81, "M": [1, 200]}
-    # sparse: 3 BMMs x 81 counts; dense with padded heads: 2 x 8
-    assert steps["heuristics_cache"]["reason"] == "runner device unknown is not CUDA (259 GEMM problems)"
+    assert "mla_dense W_UK_T (4, 16, 32) W_UV (4, 32, 16): 8 counts (M 1..8)" in steps["exact"]["variants"]
 
 
 def test_heuristics_cache_capacity_is_raised_never_lowered(release):

@@ -1,0 +1,73 @@
+"""kwarm's start-time budget (``KWARM_BUDGET``): how long optional warmup work may run.
+
+Why: some warmups buy less than they cost. cuBLAS's first call at a token count nobody
+warmed costs about 0.3 ms per weight shape, or 2-5 ms where it also loads a kernel
+(BENCHMARKS.md, "cuBLAS GEMMs"); covering every token count of a published-size model
+took 9-35 s of start. Work that removes a Triton or DeepGEMM compile (seconds of one
+request) always runs; work ordered by what it removes per second (``eager_gemm``'s fill
+of token counts between its kernel grid) runs until the budget is spent, and the summary
+line says what was left to the requests.
+
+The budget of one worker's warmup, from ``KWARM_BUDGET``:
+
+- ``auto`` (default): 10% of the time this process ran before kwarm's warmup started
+  (vLLM's own start: imports, model load, compile, profiling, KV cache), at least 2 s;
+- ``N`` or ``Ns``: N seconds; ``N%``: N% of that time, at least 2 s;
+- ``unlimited``: everything, whatever it costs.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+FLOOR_S = 2.0
+_deadline: float | None = None  # time.monotonic() after which optional work stops
+_description = "unlimited"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def seconds_for(spec: tuple, age_s: float | None) -> tuple[float | None, str]:
+    """(seconds or None for unlimited, a description) of a parsed ``KWARM_BUDGET``."""
+    kind, value = spec
+    if kind == "unlimited":
+        return None, "unlimited"
+    if kind == "seconds":
+        return value, f"{value:g} s"
+    if age_s is None:
+        return FLOOR_S, f"{FLOOR_S:g} s ({value:g}% of an unknown start time, at least {FLOOR_S:g} s)"
+    seconds = max(FLOOR_S, age_s * value / 100)
+    return seconds, f"{seconds:.1f} s ({value:g}% of {age_s:.1f} s before warmup, at least {FLOOR_S:g} s)"
+
+
+def begin(spec: tuple) -> str:
+    """Start this warmup's clock; returns the description for the summary line."""
+    global _deadline, _description
+    seconds, _description = seconds_for(spec, process_age_s())
+    _deadline = None if seconds is None else time.monotonic() + seconds
+    return _description
+
+
+def left() -> float:
+    """Seconds left for optional work (``inf`` when unlimited, <= 0 once spent)."""
+    return float("inf") if _deadline is None else _deadline - time.monotonic()
+
+
+def describe() -> str:
+    return _description
+
+
+def reset() -> None:
+    """No budget (tests; a process that never began a warmup)."""
+    global _deadline, _description
+    _deadline, _description = None, "unlimited"

@@ -1,0 +1,102 @@
+"""KWARM_BUDGET: parsing, the seconds it gives, and learning the step sizes eager_gemm warms exactly."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kwarm_ext import budget, config, learn, manifest
+from kwarm_ext.manifest import Stamp
+
+
+@pytest.mark.parametrize("raw, parsed", [
+    (None, ("percent", 10.0)), ("auto", ("percent", 10.0)), ("", ("percent", 10.0)),
+    ("5", ("seconds", 5.0)), ("2.5s", ("seconds", 2.5)), ("0", ("seconds", 0.0)),
+    ("25%", ("percent", 25.0)), ("unlimited", ("unlimited", None)),
+])
+def test_budget_values(raw, parsed):
+    env = {} if raw is None else {"KWARM_BUDGET": raw}
+    settings = config.parse(env, known_families=("eager_gemm",))
+    assert settings.budget == parsed and settings.problems == ()
+
+
+@pytest.mark.parametrize("raw", ["-1", "banana", "1e10", "2000%", "nan"])
+def test_a_bad_budget_is_one_warning_and_the_default(raw):
+    settings = config.parse({"KWARM_BUDGET": raw}, known_families=("eager_gemm",))
+    assert settings.budget == ("percent", 10.0)
+    assert len(settings.problems) == 1 and "KWARM_BUDGET" in settings.problems[0]
+
+
+def test_seconds_of_a_budget():
+    assert budget.seconds_for(("percent", 10.0), 100.0)[0] == pytest.approx(10.0)
+    assert budget.seconds_for(("percent", 10.0), 5.0)[0] == budget.FLOOR_S, "at least 2 s"
+    assert budget.seconds_for(("percent", 10.0), None)[0] == budget.FLOOR_S
+    assert budget.seconds_for(("seconds", 0.5), 100.0) == (0.5, "0.5 s")
+    assert budget.seconds_for(("unlimited", None), 100.0) == (None, "unlimited")
+    assert "10% of 100.0 s before warmup" in budget.seconds_for(("percent", 10.0), 100.0)[1]
+
+
+def test_the_clock_runs_out_and_unlimited_never_does():
+    try:
+        budget.begin(("seconds", 0.0))
+        assert budget.left() <= 0
+        budget.begin(("seconds", 60.0))
+        assert 59 < budget.left() <= 60
+        budget.begin(("unlimited", None))
+        assert budget.left() == float("inf") and budget.describe() == "unlimited"
+    finally:
+        budget.reset()
+
+
+def test_process_age_is_this_process():
+    age = budget.process_age_s()
+    assert age is not None and 0 <= age < 24 * 3600
+
+
+# ---------------------------------------------------------------------------- learned step sizes
+
+STAMP = Stamp(triton="3.6.0", arch="cuda:90", torch="2.11.0", vllm="0.24.0", tp_size=1, model="m")
+
+
+class Runner:
+    """STAND-IN for vLLM's GPU model runner (it needs a GPU): only ``execute_model``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self.calls.append((scheduler_output, intermediate_tensors))
+        return "output"
+
+
+def test_steps_are_recorded_and_the_runner_still_runs():
+    runner, recorder = Runner(), learn.Recorder(("vllm.",))
+    assert learn.record_steps(runner, recorder)
+    assert not learn.record_steps(runner, recorder), "wrapped once"
+    for n in (7, 1332, 7, None, 0, "x"):
+        out = runner.execute_model(types.SimpleNamespace(total_num_scheduled_tokens=n), intermediate_tensors=1)
+        assert out == "output"
+    assert len(runner.calls) == 6 and runner.calls[0][1] == 1
+    assert recorder.take_unsaved_counts() == [7, 1332] and recorder.take_unsaved_counts() == []
+    assert learn.record_steps(object(), recorder) is False, "no execute_model: nothing recorded"
+
+
+def test_step_sizes_are_merged_bounded_and_survive_a_round_trip(tmp_path):
+    path = str(tmp_path / "m.json")
+    assert manifest.save(path, STAMP, token_counts=[604, 1332]).added == 2
+    assert manifest.save(path, STAMP, token_counts=[1332, 37]).added == 1
+    assert sorted(manifest.load(path).token_counts) == [37, 604, 1332]
+    full = manifest.Manifest(STAMP)
+    full.merge(token_counts=range(1, manifest.MAX_TOKEN_COUNTS + 100))
+    assert len(full.token_counts) == manifest.MAX_TOKEN_COUNTS
+
+
+@pytest.mark.parametrize("raw, kept", [
+    ([5, -1, 0, 2 ** 30, "7", 7.0, True, 9], [5, 9]),
+    ("not a list", []),
+])
+def test_bad_step_sizes_are_dropped_with_one_problem(raw, kept):
+    text = manifest._dumps({**manifest.Manifest(STAMP).as_json(), "token_counts": raw})
+    parsed = manifest.parse(text)
+    assert parsed.token_counts == kept
+    assert [label for label, _ in parsed.problems] == ["token_counts"]
