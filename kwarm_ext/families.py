@@ -66,9 +66,9 @@ FAMILIES = {
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs"),
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
-               "cuBLAS GEMMs of the unquantized linear layers at every eager token count (every "
-               "8th above 64), of the LM head at 1..max_num_seqs rows and of MLA's absorbed "
-               "attention (W_UK_T, W_UV BMMs), before serving"),
+               "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
+               "attention at the token counts that run outside CUDA graphs: exact small and learned "
+               "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
