@@ -8,8 +8,12 @@ Starts ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so Tr
 compile hook sees the worker's compiles) on a tiny random-weight model, sends a fixed
 scenario of ``generate`` calls and records, per request: wall time, the Triton
 compilations during it (kernel and key) and new DeepGEMM JIT cache entries. Also engine
-init seconds, the Triton compiles during init, and kwarm's warmup from its KWARM_REPORT.
-Writes one JSON file (schema in bench/README.md) and prints the table (bench/table.py).
+init seconds, the Triton compiles during init, and kwarm's warmup from its KWARM_REPORT
+(total and seconds per family), and the first-request excess (sum over (first, repeat)
+pairs of first s - repeat s). Writes one JSON file (schema in bench/README.md) and prints
+the table (bench/table.py). Scenarios: ``default`` (12 requests), ``smoke`` (gpu-baseline's
+5), ``pairs`` (16: every shape immediately followed by its repeat). Needs a CUDA GPU: without
+one it exits with one line before building the engine.
 
 Caches (``--triton-cache``):
 - ``fresh`` (default): a new empty temp dir as TRITON_CACHE_DIR. Unless you set them,
@@ -111,10 +115,29 @@ def build_scenario(name: str) -> list[Request]:
             Request("mixed 2x8 decoding + 2x300 prefill (repeat)", 2, 8, max_tokens=64,
                     repeat_of=10, seed=12, mixed=(2, 300)),
         ]
+    if name == "pairs":
+        # every shape immediately followed by its repeat (own token ids each): request 2k+1
+        # repeats 2k, so every first request has a same-shape baseline for its excess
+        firsts = [
+            Request("prefill 1x200", 1, 200),
+            Request("prefill 1x37", 1, 37),
+            Request("prefill 1x1", 1, 1),
+            Request("prefill 4x333", 4, 333),
+            Request("prefill 1x2500", 1, 2500),
+            Request("decode 8x8 +64", 8, 8, max_tokens=64),
+            Request("decode 3x5 +64", 3, 5, max_tokens=64),
+            Request("mixed 2x8 decoding + 2x300 prefill", 2, 8, max_tokens=64, mixed=(2, 300)),
+        ]
+        out = []
+        for first in firsts:
+            i = len(out)
+            out.append(dataclasses.replace(first, seed=i + 1))
+            out.append(dataclasses.replace(first, label=first.label + " (repeat)", repeat_of=i, seed=i + 2))
+        return out
     raise ValueError(f"unknown scenario {name!r}")
 
 
-SCENARIOS = ("default", "smoke")
+SCENARIOS = ("default", "smoke", "pairs")
 
 
 # ------------------------------------------------------------------------ arguments
@@ -699,6 +722,17 @@ class EngineLock:
 
 # ----------------------------------------------------------------------------- main
 
+NO_CUDA = "engine_bench: needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def require_cuda() -> None:
+    """Exit with one line (NO_CUDA) when torch sees no CUDA GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_CUDA)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     model_path = resolve_model(args.model)
@@ -717,6 +751,9 @@ def main(argv=None) -> int:
     dg_before_init = deepgemm_entries(deepgemm_dir(cache["vllm_cache_root"]))
 
     t0 = time.perf_counter()
+    # Before the engine is built, no vLLM traceback: torch is imported inside the timed
+    # stretch (vLLM imports it first thing anyway), so init_s keeps its meaning.
+    require_cuda()
     init_counter = JitCounter().install()  # before LLM(): kwarm's capture and vLLM's monitor chain it
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -762,6 +799,7 @@ def main(argv=None) -> int:
         "cache": cache,
         "import_s": round(import_s, 3), "init_s": round(init_s, 3),
         "kwarm_warmup_s": report.get("total_s") if report else None,
+        "kwarm_family_s": table.family_seconds(report),
         "init_jit": len(init_counter.events), "init_kernels": _count_names(init_counter.events),
         "deepgemm_init_new": dg_init_new,
         "jit_monitor_active": _jit_monitor_active(),
@@ -784,6 +822,8 @@ def main(argv=None) -> int:
         result["pairs"] = [{"first": f, "repeat": r, "ratio": table.pair_ratio(result, f)}
                            for f, r in table.pairs(result)]
         result["first_steady_ratio"] = table.first_steady_ratio(result)
+        result["excess_pairs"] = table.excess_pairs(result)
+        result["excess_s"] = table.excess_s(result)
         result["first_steady_counters"] = table.first_steady_counters(result)
         result["wall_s"] = round(time.time() - started, 1)
         tmp = out.with_name(out.name + ".tmp")
@@ -792,7 +832,8 @@ def main(argv=None) -> int:
 
     write()
     print(f"engine_bench: init {init_s:.1f} s ({len(init_counter.events)} Triton JIT), "
-          f"kwarm warmup {result['kwarm_warmup_s']} s", flush=True)
+          f"kwarm warmup {result['kwarm_warmup_s']} s"
+          + "".join(f", {name} {sec:.2f}" for name, sec in result["kwarm_family_s"].items()), flush=True)
 
     counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
     gc_timer = GcTimer()
@@ -847,6 +888,7 @@ def main(argv=None) -> int:
     write()
     print(f"engine_bench: wrote {out}")
     print(f"engine_bench: request JIT {result['total_jit']}, "
+          f"excess {table.fmt_ms(result['excess_s'])} ms, "
           f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}"
           + "".join(f", {name} {ratio:.3f}" for name, ratio in result["first_steady_counters"].items()))
     if cache["fresh_root"]:

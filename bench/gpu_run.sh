@@ -14,11 +14,19 @@
 #    each one measures its requests alone;
 # 3. writes everything to $OUT (results *.json, kwarm reports *.kwarm-report.json, one
 #    log per run *.log, manifests *.manifest.json, profiles *.req<i>.prof, status.txt,
-#    install.log, table.md), packs it into bench-results.tgz and prints the table.
+#    install.log, table.md with the start-cost section, chart.svg), packs it into
+#    bench-results.tgz and prints the table.
 #
 # Environment (defaults):
-#   VER=0.24.0            staged vLLM release: source /tmp/kwarm-gpu/vllm-$VER/env.sh
-#   MODELS="tiny-qwen3-next tiny-deepseek-v32"   folders under bench/models/
+#   VER=0.24.0            staged vLLM release: source $STAGED/vllm-$VER/env.sh
+#   STAGED=/tmp/kwarm-gpu where the staged releases are
+#   MODELS="tiny-qwen3-next tiny-deepseek-v32"   folders under bench/models/ (also the
+#                         published-dimension qwen3-next-80b-a3b-4l, deepseek-v32-2l,
+#                         deepseek-v32-2l-fp8: give them memory with MODEL_ARGS_<name>)
+#   MODEL_ARGS_<name>=""  extra engine_bench.py arguments for one model's runs, after all
+#                         others (so they win): <name> is the model folder with every
+#                         character other than A-Z a-z 0-9 _ turned into _, e.g.
+#                         MODEL_ARGS_deepseek_v32_2l="--gpu-memory-utilization 0.45 --kv-cache-memory-bytes 8G"
 #   MODES="off on"        kwarm modes
 #   WARM=1                0: cold runs only
 #   LEARN=1               kwarm-on cold runs learn a manifest; a third run replays it
@@ -34,7 +42,7 @@
 #                         pipelines run as usual
 #   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores (0: no; a
 #                         pattern such as "*qwen*": those manifests only)
-#   SCENARIO=default      default | smoke
+#   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat)
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
 #   COLD_TIMEOUT=360      cap of one cold run (s)
 #   GPU_UTIL=0.2          --gpu-memory-utilization of each engine
@@ -49,6 +57,10 @@
 #   PROFILE_RUNS="*"      which runs PROFILE applies to: a pattern on the run's tag, e.g.
 #                         "*-replay" (the other runs stay unprofiled)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
+#   KWARM_ENV=""          extra environment of every kwarm-on run (cold, replay, warm):
+#                         space-separated VAR=VALUE, e.g. "KWARM_BUDGET=auto"; what the script
+#                         sets itself (KWARM_REPORT, KWARM_MANIFEST, KWARM_LEARN*, and
+#                         KWARM_WARMUPS of warm runs, REPLAY_FROM cold runs and WARMUPS) wins
 #   WARMUPS=""            KWARM_WARMUPS of the replay runs (e.g. "*,-caching_allocator": all
 #                         families but one); empty: all families
 #   LOCK=$WORK/engines.lock  the SYNC lock: give two gpu_run.sh started side by side (each
@@ -66,6 +78,7 @@ if [ -n "$REPLAY_FROM" ] && [ -d "$REPLAY_FROM" ]; then REPLAY_FROM=$(cd "$REPLA
 cd "$(dirname "$0")/.." || exit 1
 
 VER=${VER:-0.24.0}
+STAGED=${STAGED:-/tmp/kwarm-gpu}
 MODELS=${MODELS:-"tiny-qwen3-next tiny-deepseek-v32"}
 MODES=${MODES:-"off on"}
 WARM=${WARM:-1}
@@ -81,6 +94,7 @@ SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
+KWARM_ENV=${KWARM_ENV:-}
 WARMUPS=${WARMUPS:-}
 INSTALL=${INSTALL:-1}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
@@ -107,18 +121,26 @@ fi
 rm -rf "$OUT"
 mkdir -p "$OUT" "$WORK" "$FINAL_OUT"
 FINAL_OUT=$(cd "$FINAL_OUT" && pwd)
-pack() { tar czf "$FINAL_OUT/bench-results.tgz" -C "$OUT" . && cp -f "$OUT/table.md" "$FINAL_OUT/" 2>/dev/null; true; }
+pack() {
+  tar czf "$FINAL_OUT/bench-results.tgz" -C "$OUT" . && cp -f "$OUT/table.md" "$FINAL_OUT/" 2>/dev/null
+  cp -f "$OUT/chart.svg" "$FINAL_OUT/" 2>/dev/null; true
+}
 trap pack EXIT
 rm -f "$OUT/status.txt" "$OUT/failed.txt"
+# KWARM_ENV: VAR=VALUE words only (checked before anything runs)
+read -ra KWARM_ENV_LIST <<<"$KWARM_ENV"
+for kv in "${KWARM_ENV_LIST[@]}"; do
+  if ! [[ $kv =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then echo "KWARM_ENV: $kv is not VAR=VALUE"; exit 1; fi
+done
 # kwarm must be off at interpreter start: engine_bench.py sets KWARM_* itself per run.
-unset KWARM_ENABLE KWARM_REPORT KWARM_WARMUPS
+unset KWARM_ENABLE KWARM_REPORT KWARM_WARMUPS KWARM_ENV
 
-if [ ! -f "/tmp/kwarm-gpu/vllm-$VER/env.sh" ]; then
-  echo "no staged vLLM $VER on this host (/tmp/kwarm-gpu/vllm-$VER/env.sh): see shared/gpu-kit/README.md"
+if [ ! -f "$STAGED/vllm-$VER/env.sh" ]; then
+  echo "no staged vLLM $VER on this host ($STAGED/vllm-$VER/env.sh): see shared/gpu-kit/README.md"
   exit 1
 fi
 # shellcheck disable=SC1090
-source "/tmp/kwarm-gpu/vllm-$VER/env.sh"
+source "$STAGED/vllm-$VER/env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # ------------------------------------------------------------------ install kwarm
@@ -151,6 +173,12 @@ model_args() {
     *qwen3-next*|*qwen3-5*) echo "--attention-backend TRITON_ATTN" ;;  # no flash-attn binaries staged
     *) echo "" ;;                                                       # MLA: FLASHMLA_SPARSE
   esac
+}
+# MODEL_ARGS_<name> of one model (after BENCH_ARGS, so it overrides GPU_UTIL, KV_BYTES and
+# BENCH_ARGS: argparse keeps the last value)
+model_extra_args() {
+  local var="MODEL_ARGS_${1//[^A-Za-z0-9_]/_}"
+  echo "${!var:-}"
 }
 
 # One engine run: run_one TAG CACHE_DIR LIMIT_CAP [ENV=VALUE...] -- [engine_bench args...]
@@ -192,10 +220,11 @@ pipeline() {
   # shellcheck disable=SC2206,SC2207  # word splitting intended
   local args=("bench/models/$model" --kwarm "$mode" --scenario "$SCENARIO"
               --gpu-memory-utilization "$GPU_UTIL" --kv-cache-memory-bytes "$KV_BYTES"
-              $(model_args "$model") $BENCH_ARGS)
-  local on=() learn=() replay_env=()
+              $(model_args "$model") $BENCH_ARGS $(model_extra_args "$model"))
+  local on=() learn=() replay_env=() kenv=()
   [ -n "$WARMUPS" ] && replay_env=("KWARM_WARMUPS=$WARMUPS")
   if [ "$mode" = on ]; then
+    kenv=("${KWARM_ENV_LIST[@]}")  # first in every kwarm-on run's environment: the script's own win
     if [ -n "$REPLAY_FROM" ] && [ -f "$REPLAY_FROM/${manifest##*/}" ]; then
       # the copy in $OUT travels with the results; the runs read the copy
       cp -f "$REPLAY_FROM/${manifest##*/}" "$manifest" && given=1
@@ -210,25 +239,25 @@ pipeline() {
     fi
   fi
   if [ "$given" = 1 ] && [ "$REPLAY_ONLY" = 1 ]; then
-    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "${kenv[@]}" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
     return
   fi
-  run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
+  run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${kenv[@]}" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
   if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
-    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
+    run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "${kenv[@]}" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
   if [ "$WARM" = 1 ]; then
     local warm_env=()
-    [ "$mode" = on ] && warm_env=("KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_WARMUPS=-replay")
+    [ "$mode" = on ] && warm_env=("${kenv[@]}" "KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_WARMUPS=-replay")
     run_one "$tag-warm" "$cache" "$COLD_TIMEOUT" "${warm_env[@]}" -- "${args[@]}"
   fi
 }
 
 echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, sync=$SYNC," \
-  "learn=$LEARN, profile=[${PROFILE}] on $PROFILE_RUNS, replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
+  "kwarm env=[${KWARM_ENV_LIST[*]}], learn=$LEARN, profile=[${PROFILE}] on $PROFILE_RUNS, replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
 for model in $MODELS; do
   for mode in $MODES; do
     pipeline "$model" "$mode" &
@@ -267,6 +296,7 @@ if [ ${#results[@]} -eq 0 ]; then
   echo "no results"; exit 1
 fi
 "$PY" bench/table.py "${results[@]}" >"$OUT/table.md"
+"$PY" bench/chart.py "$OUT/chart.svg" "${results[@]}" || echo "chart.py failed (table.md is complete)"
 echo
 "$PY" bench/table.py --no-keys "${results[@]}"
 echo "(full table with Triton keys: \$OUT/table.md)"

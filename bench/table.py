@@ -3,10 +3,13 @@
 
     python bench/table.py bench/results/*.json            # full, with Triton keys
     python bench/table.py --no-keys bench/results/*.json  # kernel names and counts only
+    python bench/table.py --start-cost bench/results/*.json  # the start-cost section only
 
 Standard library only (no vLLM, torch or Triton), so CI can test it on a recorded
 result. One table per (model, scenario); then, per run, the Triton kernels that still
-compiled during requests, each with the kwarm family that should own it.
+compiled during requests, each with the kwarm family that should own it; last, per
+model, the start cost of each run (engine init, kwarm's warmup and its costliest
+families) beside the first-request excess it buys back.
 """
 from __future__ import annotations
 
@@ -93,6 +96,26 @@ def first_steady_counters(run: dict) -> dict[str, float]:
     return {}
 
 
+def excess_pairs(run: dict) -> list[dict]:
+    """Each (first, repeat) pair with what the first request cost beyond its repeat:
+    ``[{first, repeat, first_s, repeat_s, excess_s}]`` (excess may be negative: noise)."""
+    by_index = {r["i"]: r for r in run["requests"]}
+    out = []
+    for first, repeat in pairs(run):
+        if first in by_index:
+            a, b = by_index[first]["s"], by_index[repeat]["s"]
+            out.append({"first": first, "repeat": repeat, "first_s": a, "repeat_s": b,
+                        "excess_s": round(a - b, 4)})
+    return out
+
+
+def excess_s(run: dict) -> float | None:
+    """Sum over all (first, repeat) pairs of first.s - repeat.s: the seconds the requests
+    paid for first-time work (JIT, cuBLAS loads, allocator growth); None without a pair."""
+    found = excess_pairs(run)
+    return round(sum(p["excess_s"] for p in found), 4) if found else None
+
+
 def total_jit(run: dict) -> int:
     return sum(r["jit"] for r in run["requests"])
 
@@ -132,6 +155,36 @@ def summarize_report(report: dict | None) -> dict | None:
             "compiled": sum(f["compiled"] for f in families)}
 
 
+AFTER_CAPTURE = " (after capture)"
+
+
+def family_seconds(report: dict | None) -> dict[str, float]:
+    """{family name: seconds} of the families that ran in kwarm's KWARM_REPORT, those after
+    CUDA-graph capture included (a family that ran in both phases: the sum), costliest first."""
+    if not report:
+        return {}
+    found: dict[str, float] = {}
+    after = (report.get("after_capture") or {}).get("families", [])
+    for fam in list(report.get("families", [])) + list(after):
+        if fam.get("status") == "ran" and fam.get("name"):
+            found[fam["name"]] = found.get(fam["name"], 0.0) + float(fam.get("seconds") or 0.0)
+    return {name: round(sec, 3) for name, sec in sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def run_family_seconds(run: dict) -> dict[str, float]:
+    """A run's {family: seconds}: from its raw kwarm report, else from the report summary
+    (older results), else the stored ``kwarm_family_s``; {} for kwarm-off runs."""
+    if run.get("kwarm") != "on":
+        return {}
+    if run.get("kwarm_report"):
+        return family_seconds(run["kwarm_report"])
+    summary = run.get("kwarm_report_summary")
+    if summary:
+        fams = [dict(f, name=f["name"].removesuffix(AFTER_CAPTURE)) for f in summary.get("families", [])]
+        return family_seconds({"families": fams})
+    return dict(run.get("kwarm_family_s") or {})
+
+
 # -------------------------------------------------------------------------- rendering
 
 def fmt_s(value) -> str:
@@ -152,6 +205,14 @@ def fmt_ratio(value) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
+def fmt_ms(seconds) -> str:
+    """Seconds as milliseconds: 4203, 12.3, -0.4."""
+    if seconds is None:
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if abs(ms) >= 100 else f"{ms:.1f}"
+
+
 def request_cell(run: dict) -> str:
     """`3.13 (8), 0.038, 1.15 (3)`: seconds per request, JIT count when there was any."""
     cell = ", ".join(fmt_s(r["s"]) + (f" ({r['jit']})" if r["jit"] else "") for r in run["requests"])
@@ -164,9 +225,13 @@ def kwarm_mode(run: dict) -> str:
     return run["kwarm"] + (f" ({run['variant']})" if run.get("variant") else "")
 
 
+def run_label(run: dict) -> str:
+    """A run within its model: vLLM release, kwarm mode (and variant), cache label."""
+    return f"vLLM {run['versions']['vllm']} · kwarm {kwarm_mode(run)} · {run['cache']['label']} Triton cache"
+
+
 def run_name(run: dict) -> str:
-    return (f"{run['model']} · vLLM {run['versions']['vllm']} · kwarm {kwarm_mode(run)} · "
-            f"{run['cache']['label']} Triton cache")
+    return f"{run['model']} · {run_label(run)}"
 
 
 def _sort_key(run: dict):
@@ -182,15 +247,59 @@ def render_table(runs: list[dict]) -> str:
         f"Requests: {legend}.",
         "",
         "| vLLM | kwarm | Triton cache | engine init s | kwarm warmup s | per-request s (JIT) "
-        "| total JIT | first/steady |",
-        "|---|---|---|---|---|---|---|---|",
+        "| total JIT | excess ms | first/steady |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
         lines.append(f"| {run['versions']['vllm']} | {kwarm_mode(run)} | {run['cache']['label']} "
                      f"| {fmt_s(run['init_s'])} | {warm} | {request_cell(run)} | {total_jit(run)} "
-                     f"| {fmt_ratio(first_steady_ratio(run))} |")
+                     f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} |")
     return "\n".join(lines)
+
+
+TOP_FAMILIES = 3
+
+
+def top_families(run: dict, n: int = TOP_FAMILIES) -> str:
+    """kwarm's `n` costliest families of a run: ``eager_gemm 1.20, fused_moe 0.400``."""
+    fams = list(run_family_seconds(run).items())
+    if not fams:
+        return "—"
+    cell = ", ".join(f"{name} {fmt_s(sec)}" for name, sec in fams[:n])
+    return cell + (f", +{len(fams) - n} more" if len(fams) > n else "")
+
+
+def jit_cell(run: dict) -> str:
+    """Triton compiles during requests, and DeepGEMM kernels when any were JIT-compiled."""
+    dg = sum(r.get("deepgemm_new") or 0 for r in run["requests"])
+    return f"{total_jit(run)}" + (f" + {dg} DeepGEMM" if dg else "")
+
+
+def render_start_cost(runs: list[dict]) -> str:
+    """Per model, one row per run: what starting cost (engine init, kwarm's warmup and its
+    costliest families) beside what the first requests still paid (excess over their
+    repeats, first/steady, compiles during requests)."""
+    runs = sorted(runs, key=_sort_key)
+    models: dict[str, list[dict]] = {}
+    for run in runs:
+        models.setdefault(run["model"], []).append(run)
+    out = ["## Start cost and first-request excess", "",
+           "excess: the sum over (first, repeat) pairs of first s - repeat s.", ""]
+    for model, group in models.items():
+        several = len({run["scenario"] for run in group}) > 1
+        out += [f"### Start cost: {model}", "",
+                "| run | init s | kwarm warmup s | top families s | excess ms | first/steady | JIT in requests |",
+                "|---|---|---|---|---|---|---|"]
+        for run in group:
+            name = run_label(run) + (f" · `{run['scenario']}`" if several else "")
+            if run.get("complete") is False:
+                name += " (cut short)"
+            warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
+            out.append(f"| {name} | {fmt_s(run['init_s'])} | {warm} | {top_families(run)} "
+                       f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} | {jit_cell(run)} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def render_kernels(run: dict, keys: bool = True) -> str:
@@ -242,13 +351,15 @@ def render(runs: list[dict], keys: bool = True) -> str:
             out += ["kwarm warmup:", "", *kw, ""]
         out += ["Triton compiles during requests (kernel → family that should own it):", ""]
         out += [render_kernels(run, keys) for run in group] + [""]
+    out += [render_start_cost(runs)]
     return "\n".join(out).rstrip() + "\n"
 
 
 def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     keys = "--no-keys" not in args
-    paths = [a for a in args if a != "--no-keys"]
+    start_cost_only = "--start-cost" in args
+    paths = [a for a in args if a not in ("--no-keys", "--start-cost")]
     if not paths:
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -256,7 +367,7 @@ def main(argv=None) -> int:
     if not runs:
         print("table.py: no engine_bench results", file=sys.stderr)
         return 1
-    sys.stdout.write(render(runs, keys))
+    sys.stdout.write(render_start_cost(runs) if start_cost_only else render(runs, keys))
     return 0
 
 

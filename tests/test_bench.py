@@ -13,7 +13,9 @@ import pstats
 import re
 import subprocess
 import sys
+import tarfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,11 @@ BENCH = REPO / "bench"
 FIXTURE = REPO / "tests" / "fixtures" / "bench_result.json"
 sys.path.insert(0, str(BENCH))
 
+import chart  # noqa: E402
 import engine_bench  # noqa: E402
 import table  # noqa: E402
 
-ROW_OFF = ("| 0.24.0 | off | cold | 127 | — | 3.13 (8), 0.038, 1.15 (3), 0.039, 1.08 (3) | 14 | 82.4 |")
+ROW_OFF = ("| 0.24.0 | off | cold | 127 | — | 3.13 (8), 0.038, 1.15 (3), 0.039, 1.08 (3) | 14 | 4203 | 82.4 |")
 
 
 @pytest.fixture
@@ -83,7 +86,7 @@ def test_ratio_and_totals_come_from_the_requests(run):
     run["first_steady_ratio"], run["total_jit"] = 999.0, 999
     run["requests"][1]["s"] = 0.5
     row = table.render_table([run]).splitlines()[-1]
-    assert row.endswith("| 14 | 6.26 |")  # 3.1302 / 0.5
+    assert row.endswith("| 14 | 3741 | 6.26 |")  # excess (3.1302 - 0.5) + (1.1498 - 0.0391); 3.1302 / 0.5
 
 
 def test_ownership_mapping(run):
@@ -120,7 +123,7 @@ def test_several_runs_one_table(run, tmp_path, capsys):
     assert "not an engine_bench result" in out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| 0.24.0")]
     assert rows[0] == ROW_OFF  # off before on
-    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (1), 0.038, 1.15 (1), 0.039, 1.08 | 2 | 7.63 |"
+    assert rows[1] == "| 0.24.0 | on | warm | 31 | 8.70 | 0.290 (1), 0.038, 1.15 (1), 0.039, 1.08 | 2 | 1363 | 7.63 |"
     assert out.out.count("### tiny-qwen3-next") == 1
     assert ("warmup 8.70 s: runner ran 0.600 s, 2/2 steps, 4 compiled; qwen_gdn ran 8.00 s, 5/6 steps, "
             "9 compiled; dsa_indexer skipped (no DSA indexer layer)") in out.out
@@ -139,9 +142,9 @@ def test_cut_short_run(run):
     run["complete"] = False
     del run["requests"][2:]
     row = table.render_table([run]).splitlines()[-1]
-    assert row == "| 0.24.0 | off | cold | 127 | — | 3.13 (8), 0.038, cut short | 8 | 82.4 |"
+    assert row == "| 0.24.0 | off | cold | 127 | — | 3.13 (8), 0.038, cut short | 8 | 3092 | 82.4 |"
     run["requests"].clear()
-    assert "| — | cut short | 0 | — |" in table.render([run])
+    assert "| — | cut short | 0 | — | — |" in table.render([run])
 
 
 def test_summarize_report_counts_steps():
@@ -162,6 +165,152 @@ def test_summarize_report_counts_steps():
 def test_fmt_s_like_the_baseline():
     assert [table.fmt_s(x) for x in (127.04, 26.2, 3.1302, 0.4141, 0.038)] == ["127", "26", "3.13", "0.414", "0.038"]
     assert table.fmt_s(None) == "—"
+
+
+def test_excess_comes_from_the_requests(run):
+    run["excess_s"], run["excess_pairs"] = 999.0, []  # stored values are not trusted
+    assert table.excess_pairs(run) == [
+        {"first": 0, "repeat": 1, "first_s": 3.1302, "repeat_s": 0.038, "excess_s": 3.0922},
+        {"first": 2, "repeat": 3, "first_s": 1.1498, "repeat_s": 0.0391, "excess_s": 1.1107}]
+    assert table.excess_s(run) == pytest.approx(4.2029)
+    run["requests"][3]["s"] = 1.2  # a repeat slower than its first counts against the excess
+    assert table.excess_s(run) == pytest.approx(3.0922 - 0.0502)
+    assert table.render_table([run]).splitlines()[-1].endswith("| 14 | 3042 | 82.4 |")
+    for r in run["requests"]:
+        r["repeat_of"] = None
+    assert table.excess_pairs(run) == [] and table.excess_s(run) is None
+    assert [table.fmt_ms(x) for x in (4.2029, 0.0123, -0.0004, None)] == ["4203", "12.3", "-0.4", "—"]
+
+
+REPORT_WITH_PHASES = {"total_s": 3.0, "families": [
+    {"name": "eager_gemm", "status": "ran", "seconds": 1.2, "steps": []},
+    {"name": "runner", "status": "ran", "seconds": 0.05, "steps": []},
+    {"name": "qwen_gdn", "status": "skipped", "seconds": 0.0, "reason": "not GDN", "steps": []},
+    {"name": "fused_moe", "status": "failed", "seconds": 0.7, "steps": []},
+    {"name": "dummy_runs", "status": "ran", "seconds": 0.4, "steps": []}],
+    "after_capture": {"families": [
+        {"name": "caching_allocator", "status": "ran", "seconds": 0.01, "steps": []},
+        {"name": "runner", "status": "ran", "seconds": 0.1, "steps": []}]}}
+
+
+def test_family_seconds_only_ran_and_both_phases():
+    fams = table.family_seconds(REPORT_WITH_PHASES)
+    assert fams == {"eager_gemm": 1.2, "dummy_runs": 0.4, "runner": 0.15, "caching_allocator": 0.01}
+    assert list(fams) == ["eager_gemm", "dummy_runs", "runner", "caching_allocator"]  # costliest first
+    assert table.family_seconds(None) == {} and table.family_seconds({"total_s": 1}) == {}
+
+
+def test_run_family_seconds_from_report_summary_or_stored(run):
+    assert table.run_family_seconds(run) == {}  # kwarm off
+    on = kwarm_on_run(run)
+    assert table.run_family_seconds(on) == {"qwen_gdn": 8.0, "runner": 0.6}  # from the summary
+    on["kwarm_report"] = REPORT_WITH_PHASES  # the raw report wins over the summary
+    assert table.run_family_seconds(on)["runner"] == 0.15
+    on["kwarm_report_summary"] = table.summarize_report(REPORT_WITH_PHASES)
+    del on["kwarm_report"]  # the summary's " (after capture)" names fold into the family
+    assert table.run_family_seconds(on) == table.family_seconds(REPORT_WITH_PHASES)
+    on["kwarm_report_summary"], on["kwarm_family_s"] = None, {"fused_moe": 2.0}
+    assert table.run_family_seconds(on) == {"fused_moe": 2.0}
+
+
+def test_start_cost_section(run, tmp_path, capsys):
+    on = kwarm_on_run(run)
+    replay = kwarm_on_run(run)
+    replay["variant"], replay["cache"]["label"], replay["init_s"] = "replay", "cold", 40.0
+    replay["kwarm_report"] = REPORT_WITH_PHASES
+    replay["requests"][4]["deepgemm_new"] = 2
+    text = table.render_start_cost([replay, on, run])
+    lines = text.splitlines()
+    assert lines[0] == "## Start cost and first-request excess"
+    assert "### Start cost: tiny-qwen3-next" in lines
+    rows = [line for line in lines if line.startswith("| vLLM")]
+    assert rows == [
+        "| vLLM 0.24.0 · kwarm off · cold Triton cache | 127 | — | — | 4203 | 82.4 | 14 |",
+        "| vLLM 0.24.0 · kwarm on · warm Triton cache | 31 | 8.70 | qwen_gdn 8.00, runner 0.600 | 1363 | 7.63 | 2 |",
+        "| vLLM 0.24.0 · kwarm on (replay) · cold Triton cache | 40 | 8.70 "
+        "| eager_gemm 1.20, dummy_runs 0.400, runner 0.150, +1 more | 1363 | 7.63 | 2 + 2 DeepGEMM |"]
+    on["complete"], on["scenario"] = False, "pairs"  # two scenarios of one model: named in the row
+    text = table.render_start_cost([on, run])
+    assert "| vLLM 0.24.0 · kwarm on · warm Triton cache · `pairs` (cut short) | 31 |" in text
+    assert "| vLLM 0.24.0 · kwarm off · cold Triton cache · `smoke` | 127 |" in text
+    assert "## Start cost and first-request excess" in table.render([run])  # after the main tables
+
+    (tmp_path / "on.json").write_text(json.dumps(kwarm_on_run(run)))
+    assert table.main(["--start-cost", str(FIXTURE), str(tmp_path / "on.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## Start cost and first-request excess")
+    assert "scenario `smoke`" not in out and "Triton compiles during requests" not in out
+    assert out.count("| vLLM 0.24.0 ·") == 2
+
+
+# ----------------------------------------------------------------------------- chart
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _titles(root, tag):
+    return [el.find(f"{SVG}title").text for el in root.iter(f"{SVG}{tag}") if el.find(f"{SVG}title") is not None]
+
+
+def test_chart_writes_a_valid_svg(run, tmp_path, capsys):
+    on_cold = kwarm_on_run(run)
+    on_cold["cache"]["label"], on_cold["variant"], on_cold["init_s"] = "cold", "learning", 150.0
+    on_warm = kwarm_on_run(run)
+    off_warm = copy.deepcopy(run)
+    off_warm["cache"]["label"], off_warm["init_s"] = "warm", 25.0
+    paths = []
+    for name, data in (("off-cold", run), ("on-cold", on_cold), ("on-warm", on_warm), ("off-warm", off_warm)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    (tmp_path / "x.kwarm-report.json").write_text("{}")
+    out = tmp_path / "sub" / "chart.svg"
+    assert chart.main([str(out), *map(str, paths), str(tmp_path / "x.kwarm-report.json")]) == 0
+    root = ET.parse(out).getroot()  # well-formed XML
+    assert root.tag == f"{SVG}svg" and float(root.get("width")) > 0 and float(root.get("height")) > 0
+    texts = [el.text for el in root.iter(f"{SVG}text")]
+    for label in ("init seconds", "excess ms", "kwarm off", "kwarm on", "of which kwarm warmup", "cold", "warm",
+                  "seconds (log)", "request index (hollow: a repeat)"):
+        assert label in texts, label
+    bars = _titles(root, "rect")
+    name = "tiny-qwen3-next · vLLM 0.24.0 · kwarm"
+    assert f"{name} off · cold Triton cache: 127" in bars
+    assert f"{name} on (learning) · cold Triton cache: 150" in bars
+    assert f"{name} off · warm Triton cache: 25" in bars
+    assert f"{name} off · cold Triton cache: 4203" in bars  # excess ms, from the requests
+    assert f"{name} on · warm Triton cache: 1363" in bars
+    assert bars.count("kwarm warmup: 8.70") == 2  # inside both kwarm-on init bars
+
+    def height(title):
+        (el,) = [r for r in root.iter(f"{SVG}rect") if r.find(f"{SVG}title") is not None
+                 and r.find(f"{SVG}title").text == title]
+        return float(el.get("height"))
+
+    assert height(f"{name} off · cold Triton cache: 127") / height(f"{name} off · warm Triton cache: 25") \
+        == pytest.approx(127.04 / 25.0, rel=0.01)
+    # one latency panel per cache label with both modes: two series each, one point per request
+    assert len(list(root.iter(f"{SVG}polyline"))) == 4
+    points = _titles(root, "circle")
+    assert len(points) == 4 * 5 and "0 1x200: 3.1302 s" in points
+    hollow = [c for c in root.iter(f"{SVG}circle") if c.get("fill") == "white"]
+    assert len(hollow) == 4 * 2  # requests 1 and 3 repeat
+    assert "wrote" in capsys.readouterr().out
+
+    assert chart.main(["--no-requests", str(out), *map(str, paths)]) == 0
+    root = ET.parse(out).getroot()
+    assert not list(root.iter(f"{SVG}polyline")) and not list(root.iter(f"{SVG}circle"))
+    assert chart.main([str(out), str(tmp_path / "x.kwarm-report.json")]) == 1  # no results
+    assert chart.main([str(out)]) == 2
+
+
+def test_chart_script_runs_alone(tmp_path):
+    out = tmp_path / "c.svg"
+    proc = subprocess.run([sys.executable, str(BENCH / "chart.py"), str(out), str(FIXTURE)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    root = ET.parse(out).getroot()
+    assert root.tag == f"{SVG}svg"
+    assert not list(root.iter(f"{SVG}polyline"))  # kwarm off only: no off/on latency panel
+    assert "tiny-qwen3-next · vLLM 0.24.0 · smoke: engine init" in [el.text for el in root.iter(f"{SVG}text")]
 
 
 # ---------------------------------------------------------------------- engine_bench
@@ -291,6 +440,29 @@ def test_default_scenario():
             assert all(10 <= t < 4096 for t in p["prompt_token_ids"])
     with pytest.raises(ValueError):
         engine_bench.build_scenario("nope")
+
+
+def test_pairs_scenario():
+    scenario = engine_bench.build_scenario("pairs")
+    assert len(scenario) == 16
+    assert [r.repeat_of for r in scenario] == [None if i % 2 == 0 else i - 1 for i in range(16)]
+    firsts = [(r.batch, r.length, r.max_tokens, r.mixed) for r in scenario[::2]]
+    assert firsts == [(1, 200, 16, None), (1, 37, 16, None), (1, 1, 16, None), (4, 333, 16, None),
+                      (1, 2500, 16, None), (8, 8, 64, None), (3, 5, 64, None), (2, 8, 64, (2, 300))]
+    default_mixed = [r for r in engine_bench.build_scenario("default") if r.mixed][0]
+    assert scenario[14].mixed == default_mixed.mixed and scenario[14].max_tokens == default_mixed.max_tokens
+    for k in range(8):
+        a, b = scenario[2 * k], scenario[2 * k + 1]
+        assert (a.batch, a.length, a.max_tokens, a.mixed) == (b.batch, b.length, b.max_tokens, b.mixed)
+        assert b.label == a.label + " (repeat)"
+    assert len({r.seed for r in scenario}) == 16  # each request its own token ids
+    prompts = [engine_bench.prompt_ids(r.batch, r.length, r.seed) for r in scenario]
+    assert all(prompts[i] != prompts[j] for i in range(16) for j in range(i))
+    for r, ps in zip(scenario, prompts):
+        assert all(len(p["prompt_token_ids"]) == r.length for p in ps)
+        assert all(10 <= t < 4096 for p in ps for t in p["prompt_token_ids"])
+        assert r.length + r.max_tokens <= 4096  # the default --max-model-len
+    assert engine_bench.parse_args(["tiny-qwen3-next", "--scenario", "pairs"]).scenario == "pairs"
 
 
 def test_prepare_env_fresh(tmp_path):
@@ -467,6 +639,94 @@ def test_gpu_run_script_parses():
     assert out.returncode == 0, out.stderr
 
 
+FAKE_BENCH = """
+import json, os, sys
+argv = sys.argv[1:]
+def opt(name, default=None):
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1] if name in argv else default
+out, mode = opt("--out"), opt("--kwarm")
+env = {k: v for k, v in os.environ.items() if k.startswith("KWARM_")}
+if env.get("KWARM_LEARN") and env.get("KWARM_MANIFEST"):
+    open(env["KWARM_MANIFEST"], "w").write("{}")
+reqs = [{"i": 0, "label": "a", "s": 1.0, "jit": 1, "repeat_of": None, "kernels": []},
+        {"i": 1, "label": "a (repeat)", "s": 0.1, "jit": 0, "repeat_of": 0, "kernels": []}]
+json.dump({"schema": "kwarm-engine-bench/1", "model": os.path.basename(argv[0]), "scenario": opt("--scenario"),
+           "versions": {"vllm": "9.9"}, "kwarm": mode, "variant": opt("--variant", ""),
+           "cache": {"label": "warm" if out.endswith("-warm.json") else "cold"}, "init_s": 10.0,
+           "kwarm_warmup_s": 2.0 if mode == "on" else None, "requests": reqs, "complete": True,
+           "fake_argv": argv, "fake_env": env}, open(out, "w"))
+"""
+
+
+def gpu_run_env(tmp_path, **extra) -> dict:
+    """gpu_run.sh with a staged 'vLLM 9.9' that is an empty env.sh, an nvidia-smi that
+    prints one line, and a $PY that answers engine_bench.py with FAKE_BENCH (which records
+    its arguments and KWARM_* environment in the result) and runs everything else."""
+    (tmp_path / "staged" / "vllm-9.9").mkdir(parents=True)
+    (tmp_path / "staged" / "vllm-9.9" / "env.sh").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Fake GPU, 0 MiB, 1 MiB'\n")
+    (tmp_path / "fake_bench.py").write_text(FAKE_BENCH)
+    (bin_dir / "py").write_text(f'#!/bin/sh\nif [ "$1" = bench/engine_bench.py ]; then shift; '
+                                f'exec {sys.executable} {tmp_path / "fake_bench.py"} "$@"; fi\n'
+                                f'exec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_", "MODEL_ARGS_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", STAGED=str(tmp_path / "staged"), VER="9.9", PY=str(bin_dir / "py"),
+               INSTALL="0", REPLAY_BENCH="0", SYNC="0", MODELS="tiny-qwen3-next", OUT=str(tmp_path / "final"),
+               WORK=str(tmp_path / "work"), **extra)
+    return env
+
+
+def test_gpu_run_kwarm_env_and_model_args(tmp_path):
+    env = gpu_run_env(tmp_path, KWARM_ENV="KWARM_BUDGET=auto KWARM_WARMUPS=-fused_moe",
+                      MODEL_ARGS_tiny_qwen3_next="--gpu-memory-utilization 0.5 --settle-s 1",
+                      MODEL_ARGS_tiny_deepseek_v32="--max-num-seqs 3", BENCH_ARGS="--max-num-seqs 8",
+                      SCENARIO="pairs")
+    proc = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "work" / "out"
+    runs = {p.name.split("kwarm", 1)[1].removesuffix(".json"): json.loads(p.read_text())
+            for p in out.glob("tiny-qwen3-next-vllm9.9-kwarm*.json")}
+    assert sorted(runs) == ["off-cold", "off-warm", "on-cold", "on-replay", "on-warm"]  # structure unchanged
+    for tag, res in runs.items():
+        argv = res["fake_argv"]
+        assert argv[0] == "bench/models/tiny-qwen3-next" and res["scenario"] == "pairs"
+        # the model's own arguments come last: its GPU share wins over GPU_UTIL
+        assert argv[argv.index("--attention-backend") + 1] == "TRITON_ATTN"
+        i = argv.index("--gpu-memory-utilization")
+        assert argv[i + 1] == "0.2" and argv[argv.index("--gpu-memory-utilization", i + 1) + 1] == "0.5"
+        assert argv.index("--max-num-seqs") < argv.index("--settle-s") and "3" not in argv
+        assert engine_bench.parse_args(argv[:argv.index("--triton-cache")]).gpu_memory_utilization == 0.5
+        if tag.startswith("off"):
+            assert res["fake_env"] == {}
+            continue
+        assert res["fake_env"]["KWARM_BUDGET"] == "auto", tag  # every kwarm-on run
+        assert res["fake_env"]["KWARM_REPORT"] == str(out / f"tiny-qwen3-next-vllm9.9-kwarm{tag}.kwarm-report.json")
+    assert runs["on-cold"]["fake_env"]["KWARM_WARMUPS"] == "-fused_moe"
+    assert runs["on-cold"]["fake_env"]["KWARM_LEARN"] == "1" and runs["on-cold"]["variant"] == "learning"
+    assert runs["on-warm"]["fake_env"]["KWARM_WARMUPS"] == "-replay"  # the script's own setting wins
+    assert runs["on-replay"]["variant"] == "replay" and "KWARM_LEARN" not in runs["on-replay"]["fake_env"]
+    assert "kwarm env=[KWARM_BUDGET=auto KWARM_WARMUPS=-fused_moe]" in proc.stdout
+    final = tmp_path / "final"
+    assert "## Start cost and first-request excess" in (final / "table.md").read_text()
+    assert ET.parse(final / "chart.svg").getroot().tag == f"{SVG}svg"
+    with tarfile.open(final / "bench-results.tgz") as tgz:
+        names = {n.removeprefix("./") for n in tgz.getnames()}
+    assert {"table.md", "chart.svg", "status.txt", "tiny-qwen3-next-vllm9.9-kwarmon-replay.json"} <= names
+
+
+def test_gpu_run_rejects_a_bad_kwarm_env(tmp_path):
+    env = gpu_run_env(tmp_path, KWARM_ENV="KWARM_BUDGET=auto oops")
+    proc = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 1 and "KWARM_ENV: oops is not VAR=VALUE" in proc.stdout
+    assert not list((tmp_path / "work" / "out").glob("*.log"))  # no run started
+
+
 # ------------------------------------------------------- main() against a fake engine
 
 FAKE_VLLM = '''
@@ -550,10 +810,10 @@ class LLM:
 '''
 
 
-def fake_engine_env(tmp_path) -> dict:
+def fake_engine_env(tmp_path, cuda: bool = True) -> dict:
     """The environment of an engine_bench.py subprocess that imports a stand-in `vllm`
     (FAKE_VLLM; it appends "imported", "init", "generate" to $FAKE_EVENTS when set) and
-    `torch`, with the real Triton knobs."""
+    `torch` (whose ``cuda.is_available()`` returns `cuda`), with the real Triton knobs."""
     fake = tmp_path / "fake"
     (fake / "vllm" / "engine").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
@@ -566,7 +826,7 @@ def fake_engine_env(tmp_path) -> dict:
         "__version__ = '0.0.fake'\n"
         "class cuda:\n"
         "    get_device_name = staticmethod(lambda i: 'Fake GPU')\n"
-        "    is_available = staticmethod(lambda: True)\n"
+        f"    is_available = staticmethod(lambda: {cuda})\n"
         "    device_allocs = [0]\n"
         "    @staticmethod\n"
         "    def memory_stats():  # two cudaMalloc calls between any two reads; no host_memory_stats\n"
@@ -598,14 +858,64 @@ def test_main_with_a_fake_engine(tmp_path, kwarm):
     assert res["requests"][10]["steps"] == 6  # 2 before the prefill is queued, 4 after
     assert [r["deepgemm_new"] for r in res["requests"]][5:7] == [1, 0]
     assert res["total_jit"] == 8 and [p["first"] for p in res["pairs"]] == [0, 5, 7, 10]
+    s = {r["i"]: r["s"] for r in res["requests"]}
+    assert [(p["first"], p["repeat"], p["first_s"], p["repeat_s"]) for p in res["excess_pairs"]] == [
+        (f, r, s[f], s[r]) for f, r in ((0, 1), (5, 6), (7, 8), (10, 11))]
+    assert res["excess_s"] == pytest.approx(sum(s[f] - s[r] for f, r in ((0, 1), (5, 6), (7, 8), (10, 11))), abs=1e-3)
+    assert res["excess_s"] == table.excess_s(res)
     if kwarm == "on":
         assert res["kwarm_active"] is True and "bench" in res["kwarm_doors"]
         assert res["kwarm_warmup_s"] == 4.5 and res["kwarm_report_summary"]["compiled"] == 1
+        assert res["kwarm_family_s"] == {"qwen_gdn": 4.0}
+        assert ", qwen_gdn 4.00" in proc.stdout
     else:
         assert res["kwarm_warmup_s"] is None and res["kwarm_report"] is None
+        assert res["kwarm_family_s"] == {}
     assert "| 0.0.fake | %s | cold |" % kwarm in proc.stdout
     assert res["sync"] is None and not any("profile" in r or "profiled" in r for r in res["requests"])
     assert not list(tmp_path.glob("*.prof"))
+
+
+def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
+    out = tmp_path / "pairs.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
+                           "--scenario", "pairs", "--out", str(out)], env=fake_engine_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["scenario"] == "pairs" and len(res["requests"]) == 16
+    assert [r["jit"] for r in res["requests"]] == [1, 0] * 8  # every first compiles, no repeat does
+    assert [r["deepgemm_new"] for r in res["requests"]][6:8] == [1, 0]  # 4x333
+    assert [r["len"] for r in res["requests"]][8:10] == [2500, 2500]
+    assert [(p["first"], p["repeat"]) for p in res["excess_pairs"]] == [(2 * k, 2 * k + 1) for k in range(8)]
+    assert res["excess_s"] == table.excess_s(res)
+    assert "excess " in proc.stdout and "## Start cost and first-request excess" in proc.stdout
+
+
+NO_CUDA_LINE = "engine_bench: needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def test_main_without_cuda_stops_before_the_engine(tmp_path):
+    """A torch without CUDA: one line and a non-zero exit, before vLLM is imported."""
+    events, out = tmp_path / "events", tmp_path / "r.json"
+    env = dict(fake_engine_env(tmp_path, cuda=False), FAKE_EVENTS=str(events))
+    proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [NO_CUDA_LINE] == [engine_bench.NO_CUDA]
+    assert not events.exists() and not out.exists()  # vllm.engine never imported, LLM() never built
+
+
+def test_main_without_cuda_real_torch(tmp_path):
+    """The test venv's real torch with CUDA_VISIBLE_DEVICES="" (vLLM is not imported)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_"))}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), TMPDIR=str(tmp_path))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-deepseek-v32", "--kwarm", "off",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == NO_CUDA_LINE
+    assert "Traceback" not in proc.stderr and not out.exists()
 
 
 def test_main_profiles_requests(tmp_path):
