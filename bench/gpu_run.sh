@@ -40,6 +40,10 @@
 #   REPLAY_ONLY=0         1 (with REPLAY_FROM): kwarm-on pipelines that have such a manifest
 #                         run the replay run only (no cold run, hence no warm run); kwarm-off
 #                         pipelines run as usual
+#   REPLAY_RUN=1          0: no replay run on empty caches (the manifest is still learned)
+#   WARM_MANIFEST=0       1: the kwarm-on warm run reads the manifest the cold run learned and
+#                         runs every family, replay included (a warm restart of a deployment
+#                         that learned); 0: families only (KWARM_WARMUPS=-replay, no manifest)
 #   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores (0: no; a
 #                         pattern such as "*qwen*": those manifests only)
 #   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat)
@@ -90,6 +94,8 @@ COLD_TIMEOUT=${COLD_TIMEOUT:-360}
 GPU_UTIL=${GPU_UTIL:-0.2}
 KV_BYTES=${KV_BYTES:-4G}
 REPLAY_ONLY=${REPLAY_ONLY:-0}
+REPLAY_RUN=${REPLAY_RUN:-1}
+WARM_MANIFEST=${WARM_MANIFEST:-0}
 SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
@@ -245,13 +251,17 @@ pipeline() {
   fi
   run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${kenv[@]}" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
-  if [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
+  if [ "$REPLAY_RUN" = 1 ] && [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
     run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "${kenv[@]}" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
   if [ "$WARM" = 1 ]; then
     local warm_env=()
-    [ "$mode" = on ] && warm_env=("${kenv[@]}" "KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_WARMUPS=-replay")
+    if [ "$mode" = on ] && [ "$WARM_MANIFEST" = 1 ]; then  # a warm restart of a deployment that learned
+      warm_env=("${kenv[@]}" "KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_MANIFEST=$manifest")
+    elif [ "$mode" = on ]; then
+      warm_env=("${kenv[@]}" "KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_WARMUPS=-replay")
+    fi
     run_one "$tag-warm" "$cache" "$COLD_TIMEOUT" "${warm_env[@]}" -- "${args[@]}"
   fi
 }
