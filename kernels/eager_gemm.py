@@ -121,7 +121,7 @@ class Target:
     first: int
     last: int
     calls: int  # GEMM problems per token count
-    prepare: object  # () -> warm(m): allocates the inputs (outside any capture)
+    prepare: object  # (buffers) -> warm(m): allocates the inputs (outside any capture)
 
 
 def applies(view) -> str | None:
@@ -278,7 +278,8 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
         import torch
 
         with torch.inference_mode():
-            calls = [(target, target.prepare()) for target, _ in work]
+            buffers = {}  # one input buffer per dtype and device, shared by the linear targets
+            calls = [(target, target.prepare(buffers)) for target, _ in work]
             order = _order([counts for _, counts in work], interleave=budgeted)
             try:
                 with _session(torch, device_type) as mode:
@@ -341,13 +342,19 @@ def _session(torch, device_type: str | None):
 
 
 def _linear(layer, bias, rows: int):
-    """prepare(): a zero input of up to `rows` rows, contiguous at every count like the
-    layer's real input; warm(m) calls the layer's own ``quant_method.apply``."""
-    def prepare():
+    """prepare(buffers): an input of up to `rows` rows, contiguous at every count like the
+    layer's real input, viewed from one flat buffer per dtype and device that all linear
+    targets of a pass share (grown as needed: zeros where the GEMMs run, uninitialized where
+    they are only captured); warm(m) calls the layer's own ``quant_method.apply``."""
+    def prepare(buffers):
         import torch
 
         weight = layer.weight
-        flat = torch.zeros(rows * weight.shape[1], dtype=weight.dtype, device=weight.device)
+        size, key = rows * weight.shape[1], (weight.dtype, weight.device)
+        flat = buffers.get(key)
+        if flat is None or flat.numel() < size:
+            make = torch.empty if weight.device.type == "cuda" else torch.zeros
+            flat = buffers[key] = make(size, dtype=weight.dtype, device=weight.device)
 
         def warm(m):
             layer.quant_method.apply(layer, flat[:m * weight.shape[1]].view(m, weight.shape[1]), bias)
@@ -361,7 +368,7 @@ def _mla(layer, rows: int):
     """prepare(): the query as the attention gets it, (B, N, nope + rope), and the latent
     output; warm(m): the up-projection BMM into a head-major buffer and, where the layer pads
     no heads, a token-major one (0.33 writes there), and the layer's own ``_v_up_proj``."""
-    def prepare():
+    def prepare(buffers):
         import torch
 
         heads, uk, uv = layer.num_heads, layer.W_UK_T, layer.W_UV

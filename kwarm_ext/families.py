@@ -49,7 +49,8 @@ class Step:
     skip: str | None = None
 
 
-# Order is run order: replay first, so that the hand-written families find its kernels compiled.
+# Order is run order: replay first, so that the hand-written families find its kernels compiled;
+# eager_gemm last, so that its fill, which stops when KWARM_BUDGET is spent, ends the warmup.
 FAMILIES = {
     f.name: f
     for f in (
@@ -65,13 +66,13 @@ FAMILIES = {
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs"),
+        Family("eager_attention", "kwarm_ext.kernels.eager_attention",
+               "one eager prefill and one mixed dummy step with attention metadata: the first use "
+               "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
                "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
                "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA"),
-        Family("eager_attention", "kwarm_ext.kernels.eager_attention",
-               "one eager prefill and one mixed dummy step with attention metadata: the first use "
-               "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
                "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
                "allocated and freed, so that the first request's allocations find whole free blocks",
