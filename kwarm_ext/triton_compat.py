@@ -2,7 +2,7 @@
 
 kwarm records through ``knobs.runtime.jit_post_compile_hook`` and replays through
 ``JITFunction.preload`` inside ``AsyncCompileMode``, then ``CompiledKernel._init_handles``,
-``Autotuner.cache`` and one tiny launch (see ../shared/reference/triton-replay.md). Those
+``Autotuner.cache`` and one tiny launch (Triton 3.x's ``JITFunction`` cache, ``preload`` and ``warmup``). Those
 names are Triton's runtime internals, not a public API: they are used only here, each behind
 a function whose docstring says what it relies on, so that a Triton bump is a one-file diff.
 Nothing here imports Triton at module import time.
