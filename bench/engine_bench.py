@@ -182,6 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gdn-prefill-backend", default="triton",
                    help="additional_config gdn_prefill_backend for GDN models; 'default' leaves vLLM's")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="TP > 1 runs workers in their own processes: kwarm's per-rank reports are read "
+                        "(kwarm_warmup_s_ranks), but Triton compiles there are not counted per request")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-memory-bytes", default=None,
@@ -214,6 +217,20 @@ def is_gdn_model(cfg: dict) -> bool:
     return cfg.get("model_type") in GDN_MODEL_TYPES or "linear_conv_kernel_dim" in cfg
 
 
+def rank_warmups(report_path: str | None, ranks: int) -> dict | None:
+    """{rank: kwarm warmup seconds} from each rank's report (rank r > 0 at ``<path>.rank<r>``),
+    for tensor-parallel runs; None for one rank or without a report."""
+    if not report_path or ranks <= 1:
+        return None
+    out = {}
+    for rank in range(ranks):
+        try:
+            out[str(rank)] = json.loads(Path(report_path + (f".rank{rank}" if rank else "")).read_text()).get("total_s")
+        except (OSError, ValueError):
+            out[str(rank)] = None
+    return out
+
+
 def engine_kwargs(args: argparse.Namespace, model_path: Path, cfg: dict) -> dict:
     """The keyword arguments of ``vllm.LLM`` for `args` (vLLM 0.24 signature)."""
     kw = dict(model=str(model_path), load_format="dummy", skip_tokenizer_init=True,
@@ -226,6 +243,8 @@ def engine_kwargs(args: argparse.Namespace, model_path: Path, cfg: dict) -> dict
         kw["compilation_config"] = {"cudagraph_mode": "NONE"}
     if is_gdn_model(cfg) and args.gdn_prefill_backend not in (None, "", "default"):
         kw["additional_config"] = {"gdn_prefill_backend": args.gdn_prefill_backend}
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
     kv_bytes = parse_bytes(args.kv_cache_memory_bytes)
     if kv_bytes:
         kw["kv_cache_memory_bytes"] = kv_bytes
@@ -799,6 +818,7 @@ def main(argv=None) -> int:
         "cache": cache,
         "import_s": round(import_s, 3), "init_s": round(init_s, 3),
         "kwarm_warmup_s": report.get("total_s") if report else None,
+        "kwarm_warmup_s_ranks": rank_warmups(report_path, args.tensor_parallel_size),
         "kwarm_family_s": table.family_seconds(report),
         "init_jit": len(init_counter.events), "init_kernels": _count_names(init_counter.events),
         "deepgemm_init_new": dg_init_new,

@@ -1027,3 +1027,17 @@ def test_resplit_stage_recuts_the_payload_and_keeps_the_digest(tmp_path):
     (staged / "chunk01" / "part.01").write_bytes(b"truncated")
     proc = subprocess.run([sys.executable, str(script), str(staged), str(out)], capture_output=True, text=True)
     assert proc.returncode != 0 and "do not match the digest" in proc.stderr
+
+
+def test_tensor_parallel_runs_read_every_ranks_report(tmp_path):
+    import engine_bench
+
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"total_s": 2.5}))
+    (tmp_path / "r.json.rank1").write_text(json.dumps({"total_s": 2.25}))
+    assert engine_bench.rank_warmups(str(report), 2) == {"0": 2.5, "1": 2.25}
+    assert engine_bench.rank_warmups(str(report), 3)["2"] is None, "a missing rank's report is None"
+    assert engine_bench.rank_warmups(str(report), 1) is None and engine_bench.rank_warmups(None, 2) is None
+    args = engine_bench.parse_args(["tiny-qwen3-next", "--tensor-parallel-size", "2"])
+    assert engine_bench.engine_kwargs(args, tmp_path, {})["tensor_parallel_size"] == 2
+    assert "tensor_parallel_size" not in engine_bench.engine_kwargs(engine_bench.parse_args(["m"]), tmp_path, {})
