@@ -1,5 +1,5 @@
 """Warmup family ``caching_allocator``: leave torch's CUDA caching allocator whole free
-small-pool and large-pool blocks for the first request, after vLLM's CUDA-graph capture.
+small-pool blocks for the first request, after vLLM's CUDA-graph capture.
 
 Why:
     ``capture_model`` ends with ``torch.accelerator.empty_cache()`` (V1 and V2 runners,
@@ -25,13 +25,6 @@ How:
     allocations of a request can use. At most 32 MiB of device memory (vLLM's memory profile
     leaves 150 MiB of headroom); skipped when less than 1 GiB is free.
 
-    The large pool the same way, with ``LARGE_BLOCKS`` blocks of 64 MiB: a request's
-    allocations above 1 MiB split a cached free block instead of calling ``cudaMalloc``.
-    Measured at DeepSeek-V3.2's published dimensions (BENCHMARKS.md): request 0, a 200-token
-    prefill, made one new large-pool segment after the small-pool reserve, its repeat none,
-    and cost 6 ms more. At most 128 MiB, which vLLM's memory profile already counts as the
-    requests' activations; skipped when less than 2 GiB is free.
-
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture.
 
 Remove when:
@@ -42,13 +35,10 @@ from __future__ import annotations
 from kwarm_ext.families import Step
 
 NAME = "caching_allocator"
-KERNEL = "CUDA caching allocator"
+KERNEL = "CUDA caching allocator (small pool)"
 BLOCK = 1 << 20  # the largest small-pool allocation (torch's kSmallSize): two per 2 MiB segment
 RESERVE_BLOCKS = 32
 MIN_DEVICE_FREE = 1 << 30
-LARGE_BLOCK = 64 << 20  # a large-pool segment that splits for any allocation up to 64 MiB
-LARGE_BLOCKS = 2
-MIN_DEVICE_FREE_LARGE = 2 << 30
 _details: dict = {}  # the last reserve's outcome, for the summary line
 
 
@@ -63,29 +53,27 @@ def applies(view) -> str | None:
 def plan(view, forced) -> list:
     """The steps, planned once CUDA-graph capture is done (the family runs after it)."""
     _details.clear()
-    return [Step("small pool", KERNEL, run=lambda: _reserve(view.device)),
-            Step("large pool", KERNEL, run=lambda: _reserve_large(view.device))]
+    return [Step("small pool", KERNEL, run=lambda: _reserve(view.device))]
 
 
 def details() -> dict:
-    """The summary line's text: what the reserves found and added."""
-    parts = [_details[k] for k in ("small", "large") if k in _details]
-    return {"summary": "; ".join(parts)} if parts else {}
+    """The summary line's text: what the reserve found and added."""
+    return dict(_details)
 
 
-def reserve(device: str, blocks: int, size: int = BLOCK) -> None:
-    """Allocate `blocks` blocks of `size` bytes on `device`, all alive at once, and free them:
-    the allocator keeps what it had to add."""
+def reserve(device: str, blocks: int) -> None:
+    """Allocate `blocks` 1 MiB blocks on `device`, all alive at once, and free them: the
+    allocator keeps what it had to add."""
     import torch
 
-    held = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(blocks)]
+    held = [torch.empty(BLOCK, dtype=torch.uint8, device=device) for _ in range(blocks)]
     del held
 
 
-def small_pool(stats: dict, pool: str = "small_pool") -> tuple:
-    """(segments, MiB cached free) of the small pool (or `pool`), from ``torch.cuda.memory_stats``."""
-    free = stats.get(f"reserved_bytes.{pool}.current", 0) - stats.get(f"allocated_bytes.{pool}.current", 0)
-    return stats.get(f"segment.{pool}.current", 0), max(0, free) / (1 << 20)
+def small_pool(stats: dict) -> tuple:
+    """(segments, MiB cached free) of the small pool, from ``torch.cuda.memory_stats``."""
+    free = stats.get("reserved_bytes.small_pool.current", 0) - stats.get("allocated_bytes.small_pool.current", 0)
+    return stats.get("segment.small_pool.current", 0), max(0, free) / (1 << 20)
 
 
 def _reserve(device: str) -> list:
@@ -100,21 +88,5 @@ def _reserve(device: str) -> list:
         after = small_pool(torch.cuda.memory_stats(device))
         text = (f"{RESERVE_BLOCKS} x 1 MiB small-pool blocks: {after[0] - before[0]} new segments, "
                 f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free")
-    _details["small"] = text
-    return [text]
-
-
-def _reserve_large(device: str) -> list:
-    import torch
-
-    free_device = torch.cuda.mem_get_info(device)[0]
-    if free_device < MIN_DEVICE_FREE_LARGE:
-        text = f"no large-pool blocks: {free_device >> 20} MiB free on the device"
-    else:
-        before = small_pool(torch.cuda.memory_stats(device), "large_pool")
-        reserve(device, LARGE_BLOCKS, LARGE_BLOCK)
-        after = small_pool(torch.cuda.memory_stats(device), "large_pool")
-        text = (f"{LARGE_BLOCKS} x {LARGE_BLOCK >> 20} MiB large-pool blocks: {after[0] - before[0]} new segments, "
-                f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free")
-    _details["large"] = text
+    _details["summary"] = text
     return [text]

@@ -74,8 +74,8 @@ FAMILIES = {
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
                "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
-               "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool and 64 MiB "
-               "large-pool blocks allocated and freed, so that the first request's allocations find whole free blocks",
+               "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
+               "allocated and freed, so that the first request's allocations find whole free blocks",
                after_capture=True),
         Family("frontend", "kwarm_ext.frontend",
                "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "

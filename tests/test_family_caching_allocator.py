@@ -49,13 +49,6 @@ def test_reserve_holds_all_blocks_at_once_then_frees_them():
     assert held == [MIB] * 3
     assert most_alive == [1, 2, 3], "each block allocated while the others are held"
     assert len(alive) == 0, "all freed on return"
-    held.clear()
-    torch.empty = empty
-    try:
-        ca.reserve("cpu", 2, 4 * MIB)
-    finally:
-        torch.empty = real_empty
-    assert held == [4 * MIB] * 2
 
 
 @pytest.fixture
@@ -65,26 +58,18 @@ def gpu_allocator(monkeypatch):
     adds n // 2 new segments (two 1 MiB blocks each)."""
     import torch
 
-    state = types.SimpleNamespace(segments=8, free=11 * MIB, reserved=[], device_free=80 << 30,
-                                  large_segments=3, large_free=20 * MIB)
+    state = types.SimpleNamespace(segments=8, free=11 * MIB, reserved=[], device_free=80 << 30)
 
     def memory_stats(device):
         assert device == "cuda:0"
         return {"segment.small_pool.current": state.segments,
                 "reserved_bytes.small_pool.current": state.free + 6 * MIB,
-                "allocated_bytes.small_pool.current": 6 * MIB,
-                "segment.large_pool.current": state.large_segments,
-                "reserved_bytes.large_pool.current": state.large_free + 100 * MIB,
-                "allocated_bytes.large_pool.current": 100 * MIB}
+                "allocated_bytes.small_pool.current": 6 * MIB}
 
-    def reserve(device, blocks, size=ca.BLOCK):
-        state.reserved.append((device, blocks, size))
-        if size == ca.BLOCK:
-            state.segments += blocks // 2
-            state.free += blocks // 2 * 2 * MIB
-        else:  # the 20 MiB cached free piece is too small for a 64 MiB block: one segment each
-            state.large_segments += blocks
-            state.large_free += blocks * size
+    def reserve(device, blocks):
+        state.reserved.append((device, blocks))
+        state.segments += blocks // 2
+        state.free += blocks // 2 * 2 * MIB
 
     monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state.device_free, 141 << 30))
@@ -101,16 +86,14 @@ def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
     assert gpu_allocator.reserved == []
 
     part = warmup.after_capture(worker)  # what patches' compile_or_warm_up_model wrapper calls
-    assert gpu_allocator.reserved == [("cuda:0", ca.RESERVE_BLOCKS, MIB), ("cuda:0", ca.LARGE_BLOCKS, 64 * MIB)]
+    assert gpu_allocator.reserved == [("cuda:0", ca.RESERVE_BLOCKS)]
     family = part["families"][0]
     assert family["name"] == "caching_allocator" and family["status"] == "ran", family
     text = "32 x 1 MiB small-pool blocks: 16 new segments, 11 -> 43 MiB cached free"
-    large = "2 x 64 MiB large-pool blocks: 2 new segments, 20 -> 148 MiB cached free"
-    assert family["steps"][0]["variants"] == [text] and family["steps"][1]["variants"] == [large]
-    assert family["details"] == {"summary": f"{text}; {large}"}
+    assert family["steps"][0]["variants"] == [text] and family["details"] == {"summary": text}
     written = json.loads(report_path.read_text())
     assert written["after_capture"]["families"][0]["steps"][0]["status"] == "ran"
-    assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator " in m and f" s: {text}; {large}" in m
+    assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator " in m and f" s: {text}" in m
                for m in kwarm_log.messages(0)), kwarm_log.messages(0)
     assert kwarm_log.messages() == [], "no warning"
 
@@ -123,20 +106,9 @@ def test_low_device_memory_reserves_nothing(gpu_allocator, kwarm_env):
     gpu_allocator.device_free = 512 * MIB
     worker = stand_in_worker(device="cuda:0")
     warmup.run(worker)
-    steps = warmup.after_capture(worker)["families"][0]["steps"]
-    assert steps[0]["variants"] == ["nothing reserved: 512 MiB free on the device"]
-    assert steps[1]["variants"] == ["no large-pool blocks: 512 MiB free on the device"]
+    step = warmup.after_capture(worker)["families"][0]["steps"][0]
+    assert step["variants"] == ["nothing reserved: 512 MiB free on the device"]
     assert gpu_allocator.reserved == []
-
-
-def test_the_large_pool_needs_more_free_memory(gpu_allocator, kwarm_env):
-    kwarm_env(KWARM_WARMUPS="caching_allocator")
-    gpu_allocator.device_free = 1536 * MIB
-    worker = stand_in_worker(device="cuda:0")
-    warmup.run(worker)
-    steps = warmup.after_capture(worker)["families"][0]["steps"]
-    assert steps[1]["variants"] == ["no large-pool blocks: 1536 MiB free on the device"]
-    assert gpu_allocator.reserved == [("cuda:0", ca.RESERVE_BLOCKS, MIB)], "the small pool still"
 
 
 def test_not_on_cuda_is_a_skip_and_disabled_is_disabled(gpu_allocator, kwarm_env):
