@@ -49,7 +49,11 @@ def run_command(argv: list[str], learn: bool = False) -> int:
     boot = bootstrap_dir()
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
     env["PYTHONPATH"] = os.pathsep.join([boot, *parts])
-    exe = shutil.which(argv[0]) or argv[0]
+    # like a shell: a bare NAME is looked up on PATH only, never in the current folder
+    exe = shutil.which(argv[0]) if os.sep not in argv[0] else argv[0]
+    if exe is None:
+        print(f"kwarm run: {argv[0]}: command not found on PATH", file=sys.stderr)
+        return 127
     try:
         os.execv(exe, argv)
     except OSError as exc:

@@ -147,6 +147,8 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
 
 def _parse_file_path(env, var, bad) -> str | None:
     value = env.get(var, "").strip() or None
+    if value is not None:
+        value = os.path.expanduser(value)  # "~/m.json" is the home's, as in a shell
     if value is not None and os.path.isdir(value):
         bad(var, value, None, "it is a directory; give a file path")
         return None
@@ -167,6 +169,9 @@ def _parse_learn(raw, bad) -> str:
     return "off"
 
 
+MAX_LEARN_INTERVAL = 86400.0  # a day; larger values overflow the saver thread's timer
+
+
 def _parse_interval(raw, bad) -> float:
     if raw is None or not raw.strip():
         return 60.0
@@ -174,8 +179,8 @@ def _parse_interval(raw, bad) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not (0 <= value < float("inf")):
-        bad("KWARM_LEARN_INTERVAL", raw, "60", "expected a number of seconds >= 0")
+    if not (0 <= value <= MAX_LEARN_INTERVAL):
+        bad("KWARM_LEARN_INTERVAL", raw, "60", f"expected a number of seconds from 0 to {MAX_LEARN_INTERVAL:g}")
         return 60.0
     return value
 
@@ -229,13 +234,16 @@ def _parse_allow_modules(raw, bad) -> tuple:
 def _parse_warmups(raw, known, bad) -> WarmupSelection:
     if raw is None or not raw.strip():
         return WarmupSelection()
-    include_all, forced, excluded, unknown = False, set(), set(), []
+    include_all, forced, excluded, unknown, none = False, set(), set(), [], False
     for item in (part.strip() for part in raw.split(",")):
         if not item:
             continue
         name = item[1:].strip() if item.startswith("-") else item
         if name == "*":
-            include_all = include_all or not item.startswith("-")
+            if item.startswith("-"):
+                none = True  # "-*": no family, but those named
+            else:
+                include_all = True
             continue
         if name not in known:
             unknown.append(item)
@@ -246,6 +254,8 @@ def _parse_warmups(raw, known, bad) -> WarmupSelection:
             f"{', '.join(unknown)}; known: {', '.join(known)}")
         if not forced and not include_all:
             include_all = True  # the whole value was unusable: fall back to the default
+    if none:
+        excluded |= set(known) - forced
     if not forced and not include_all:
         include_all = True  # only exclusions were given: "everything but these"
     return WarmupSelection(include_all, frozenset(forced), frozenset(excluded))

@@ -29,6 +29,7 @@ FORMAT = "kwarm-manifest"
 FORMAT_VERSION = 1
 MAX_BYTES = 64 << 20  # a manifest of a large deployment is a few MB; refuse absurd files
 OPTION_VALUE = (type(None), bool, int, float, str)
+MAX_KEY = 20_000  # characters of one in-memory key (vLLM's largest, 73 arguments: about 4,000)
 MAX_TOKEN_COUNTS = 4096  # learned step sizes kept per manifest (eager_gemm warms them exactly)
 MAX_TOKENS = 1 << 20  # a step's token count above this is not a real one
 
@@ -55,14 +56,14 @@ class Stamp:
     def incompatibility(self, current: "Stamp") -> str | None:
         """Why entries stamped `self` cannot serve `current` (None when they can)."""
         if self.triton != current.triton:
-            return f"recorded with Triton {self.triton}, this is Triton {current.triton}"
+            return f"recorded with Triton {printable(self.triton, 40)}, this is Triton {current.triton}"
         if self.arch != current.arch:
-            return f"recorded for GPU architecture {self.arch}, this GPU is {current.arch}"
+            return f"recorded for GPU architecture {printable(self.arch, 40)}, this GPU is {current.arch}"
         return None
 
     def differences(self, current: "Stamp") -> list[str]:
         """The informational fields that differ (entries are still checked one by one)."""
-        return [f"{name} {getattr(self, name)} (now {getattr(current, name)})"
+        return [f"{name} {printable(getattr(self, name), 120)} (now {getattr(current, name)})"
                 for name in ("torch", "vllm", "tp_size", "model")
                 if getattr(current, name) is not None and getattr(self, name) != getattr(current, name)]
 
@@ -175,10 +176,45 @@ def module_allowed(module: str, prefixes) -> bool:
 # ---------------------------------------------------------------------------- validation
 
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-REFUSED_OPTIONS = {
-    "ir_override": "substitutes IR or PTX from a file",
-    "extern_libs": "links external bitcode libraries",
+_WORD = re.compile(r"^[a-z0-9_-]{0,32}$")
+# The only compiler options an entry may carry, each with the values it may take: replay
+# compiles with exactly these (Triton's parse_options fills in the rest for this GPU). Anything
+# else (``ptx_options``, ``ir_override``, ``extern_libs``, ...) refuses the entry.
+LAUNCH_OPTIONS = {
+    "num_warps": lambda v: type(v) is int and v in (1, 2, 4, 8, 16, 32),
+    "num_stages": lambda v: type(v) is int and 0 <= v <= 16,
+    "num_ctas": lambda v: type(v) is int and 1 <= v <= 16,
+    "maxnreg": lambda v: v is None or (type(v) is int and 1 <= v <= 256),
+    "debug": lambda v: type(v) is bool,
+    "enable_fp_fusion": lambda v: type(v) is bool,
+    "launch_cooperative_grid": lambda v: type(v) is bool,
+    "launch_pdl": lambda v: type(v) is bool,
+    "instrumentation_mode": lambda v: type(v) is str and bool(_WORD.match(v)),
+    "waves_per_eu": lambda v: type(v) is int and 0 <= v <= 16,  # ROCm
+    "matrix_instr_nonkdim": lambda v: type(v) is int and v in (0, 4, 16, 32),  # ROCm
+    "kpack": lambda v: type(v) is int and v in (1, 2),  # ROCm
+    "schedule_hint": lambda v: type(v) is str and bool(_WORD.match(v)),  # ROCm
 }
+
+
+def disallowed_options(options: dict) -> list:
+    """Why each of `options` may not reach the compiler ([] when all may)."""
+    out = []
+    for name, value in options.items():
+        check = LAUNCH_OPTIONS.get(name)
+        if check is None:
+            out.append(f"compiler option {printable(name)} is not allowed")
+        elif not check(value):
+            out.append(f"compiler option {name}={printable(repr(value))} is out of range")
+    return out
+
+
+def printable(text, limit: int = 200) -> str:
+    """`text` safe for a log line or a terminal: control characters and non-ASCII escaped,
+    at most `limit` characters."""
+    out = str(text).encode("ascii", "backslashreplace").decode("ascii")
+    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in out)
+    return out if len(out) <= limit else out[:limit] + "..."
 
 
 def parse(text: str) -> Manifest:
@@ -186,8 +222,10 @@ def parse(text: str) -> Manifest:
     unusable; a malformed entry is dropped into ``problems`` as (label, reason)."""
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise BadManifest("nested too deeply to be a manifest") from None
     except ValueError as exc:
-        raise BadManifest(f"not valid JSON ({exc})") from None
+        raise BadManifest(f"not valid JSON ({printable(exc)})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BadManifest("not a kwarm manifest (no \"format\": \"kwarm-manifest\")")
     if data.get("version") != FORMAT_VERSION:
@@ -201,8 +239,8 @@ def parse(text: str) -> Manifest:
         for raw in items:
             try:
                 good.append(build(raw))
-            except (TypeError, ValueError, KeyError) as exc:
-                manifest.problems.append((_raw_label(raw), f"malformed: {exc}"))
+            except (TypeError, ValueError, KeyError, RecursionError) as exc:
+                manifest.problems.append((_raw_label(raw), f"malformed: {printable(exc)}"))
         manifest.merge(**{field: good})
     manifest.merge(token_counts=_token_counts(data.get("token_counts", []), manifest.problems))
     return manifest
@@ -236,17 +274,54 @@ def _entry(raw) -> Entry:
     if not isinstance(raw, dict):
         raise TypeError("an entry is not an object")
     module, qualname = _dotted(raw, "module"), _dotted(raw, "qualname")
-    key = _str(raw, "key", limit=100_000)
+    key = _str(raw, "key", limit=MAX_KEY)
     options = raw.get("launch_options")
     if not isinstance(options, dict) or not all(isinstance(k, str) and _option_value(v) for k, v in options.items()):
         raise TypeError("launch_options is not an object of JSON scalars")
-    from kwarm_ext.triton_compat import launch_options
+    from kwarm_ext.triton_compat import key_specialization, launch_options
 
     if json.loads(json.dumps(launch_options(key))) != options:
         raise ValueError("launch_options disagree with the key")
+    refused = disallowed_options(options)
+    if refused:
+        raise ValueError("; ".join(refused))
     spec = _spec(raw.get("spec"), f"{module}.{qualname}")
     _check_key_matches_signature(key, spec["signature"])
+    _check_constants_match_key(key_specialization(key), spec)
     return Entry(module, qualname, _str(raw, "source_key", limit=256), key, options, spec)
+
+
+def _check_constants_match_key(specialization, spec: dict) -> None:
+    """Every recorded constant must be the value the key holds for that argument: replay
+    compiles the constants and files the binary under the key, so parts that disagree would
+    put one specialization's binary under another's key."""
+    if specialization is None:
+        raise ValueError("the key's specialization cannot be read, so its constants cannot be checked")
+    for path, encoded in zip(spec["constant_keys"], spec["constant_vals"]):
+        if len(path) != 1 or path[0] >= len(specialization):
+            raise ValueError(f"constant {path} is not an argument of the key")
+        held = specialization[path[0]]
+        if not (isinstance(held, tuple) and len(held) == 2 and held[0] == "constexpr"):
+            raise ValueError(f"argument {path[0]} is not a constexpr in the key")
+        if not _same_constant(encoded, held[1]):
+            raise ValueError(f"constant {path[0]} is {printable(repr(encoded))} but the key says "
+                             f"{printable(repr(held[1]))}")
+
+
+def _same_constant(encoded, in_key) -> bool:
+    """Whether a recorded (JSON) constant is the key's value. Scalars and Triton dtypes are
+    compared exactly; objects the key prints by identity (jitted functions, torch dtypes,
+    tuples) only need a value there."""
+    if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        return type(encoded) is type(in_key) and encoded == in_key or (
+            type(encoded) is int and type(in_key) is not bool and isinstance(in_key, int) and encoded == in_key)
+    if isinstance(encoded, dict) and set(encoded) == {"tl_dtype"}:
+        return str(in_key) == encoded["tl_dtype"]
+    if isinstance(encoded, dict) and set(encoded) == {"constexpr"}:
+        return _same_constant(encoded["constexpr"], in_key)
+    if isinstance(encoded, dict) and set(encoded) == {"str"}:
+        return in_key == encoded["str"]
+    return in_key is not None
 
 
 def _spec(spec, full_name: str) -> dict:
@@ -349,8 +424,9 @@ def _dotted(raw: dict, field: str) -> str:
 def _raw_label(raw) -> str:
     if isinstance(raw, dict) and isinstance(raw.get("module"), str) and isinstance(raw.get("qualname"), str):
         key = raw.get("key")
-        return f"{raw['module']}:{raw['qualname']}" + (f" [{short_hash(key)}]" if isinstance(key, str) else "")
-    return repr(raw)[:80]
+        return printable(f"{raw['module']}:{raw['qualname']}", 120) + (
+            f" [{short_hash(key)}]" if isinstance(key, str) else "")
+    return printable(repr(raw), 80)
 
 
 # ---------------------------------------------------------------------------- files
@@ -369,10 +445,19 @@ def untrusted_reason(st: os.stat_result) -> str | None:
 
 
 def read_trusted(path: str) -> str:
-    """The file's text, if it passes :func:`untrusted_reason` (checked on the opened file, so
-    a swap between the check and the read is impossible). FileNotFoundError passes through."""
+    """The file's text, if it passes :func:`untrusted_reason` (checked before opening, so that
+    no FIFO or device is ever opened, and again on the opened file, so that a swap between the
+    check and the read is impossible). FileNotFoundError passes through."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        reason = untrusted_reason(os.stat(path))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BadManifest(f"cannot read ({exc.strerror})") from None
+    if reason:
+        raise BadManifest(f"refused: {reason}")
+    try:  # non-blocking: a FIFO swapped in after the check does not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -389,6 +474,24 @@ def read_trusted(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise BadManifest("not UTF-8 text") from None
+
+
+def check_writable_target(path: str) -> None:
+    """Raise :class:`BadManifest` unless `path` is absent or a regular file this user owns:
+    a save never replaces a device, a FIFO, a directory or another user's file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+    if not stat.S_ISREG(st.st_mode):
+        raise BadManifest(f"refused to replace {printable(path)}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise BadManifest(f"refused to replace {printable(path)}: owned by uid {st.st_uid}, not this user")
 
 
 def load(path: str) -> Manifest:
@@ -412,8 +515,13 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> S
     existing file that is unreadable, untrusted or stamped for another Triton/GPU is
     replaced (and said so in ``note``), never merged."""
     directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise BadManifest(f"{printable(path)} is a directory; give a file path")
+    check_writable_target(path)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     with _locked(path + ".lock"):
+        check_writable_target(path)
+        _remove_stale_temporaries(path)
         current, note = _existing(path, stamp)
         added = current.merge(entries, autotune, token_counts)
         if added or note or not os.path.exists(path):
@@ -447,16 +555,56 @@ def _dumps(obj: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
+LOCK_TIMEOUT_S = 10.0
+
+
+class LockTimeout(BadManifest):
+    """Another process held the manifest's lock for too long: this save is skipped."""
+
+
 @contextlib.contextmanager
-def _locked(lock_path: str):
+def _locked(lock_path: str, timeout: float | None = None):
+    """An exclusive ``flock`` on `lock_path`, a regular file of this user's opened without
+    following a symlink; waits at most `timeout` seconds (LOCK_TIMEOUT_S), then raises
+    :class:`LockTimeout`: a stopped or hostile holder never blocks a save, or an exit, for good."""
     import fcntl
 
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(lock_path, flags, 0o600)
+    except OSError as exc:
+        raise BadManifest(f"cannot open the lock {printable(lock_path)} ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise BadManifest(f"refused the lock {printable(lock_path)}: not a regular file of this user")
+        deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout is None else timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(f"the lock {printable(lock_path)} was held by another process for over "
+                                      f"{LOCK_TIMEOUT_S if timeout is None else timeout:g} s; not saved") from None
+                time.sleep(0.05)
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete this user's ``.<name>.*.tmp`` files beside `path`: under the lock no save is
+    writing one, so they are what a killed save left."""
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}."
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                        os.unlink(entry.path)
 
 
 def _write_atomic(path: str, obj: dict) -> None:

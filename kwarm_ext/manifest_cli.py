@@ -46,7 +46,7 @@ def _each_loaded(paths: list, handle) -> int:
     for path in paths:
         data, why = _load(path)
         if data is None:
-            print(f"{path}: unusable: {why}")
+            print(f"{manifest.printable(path)}: unusable: {manifest.printable(why)}")
             worst = 2
         else:
             worst = max(worst, handle(path, data))
@@ -62,9 +62,9 @@ def show(paths: list) -> int:
 
 
 def render(path: str, data) -> str:
-    s = data.stamp
-    lines = [f"{path}", f"  stamp: triton {s.triton}, {s.arch}, torch {s.torch}, vllm {s.vllm}, "
-                         f"tp {s.tp_size}, model {s.model}",
+    s, safe = data.stamp, manifest.printable
+    lines = [f"{safe(path)}", f"  stamp: triton {safe(s.triton)}, {safe(s.arch)}, torch {safe(s.torch)}, "
+                              f"vllm {safe(s.vllm)}, tp {s.tp_size}, model {safe(s.model)}",
              f"  {len(data.entries)} entries, {len(data.autotune)} autotune choices, "
              f"{len(data.kernels())} kernels"]
     for kernel, group in data.kernels().items():
@@ -184,7 +184,13 @@ def merge(paths: list, output: str) -> int:
         return 2
     entries = [e for data in inputs for e in data.entries]
     choices = [c for data in inputs for c in data.autotune]
-    result = manifest.save(output, inputs[0].stamp, entries, choices)
+    counts = [m for data in inputs for m in data.token_counts]
+    try:
+        result = manifest.save(output, inputs[0].stamp, entries, choices, counts)
+    except (BadManifest, OSError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"kwarm manifest merge: cannot write {manifest.printable(output)}: {manifest.printable(why)}")
+        return 2
     if result.note:
         print(f"{output}: {result.note}")
     print(f"merged {len(inputs)} manifests into {result.path}: {result.total} items ({result.added} new)")

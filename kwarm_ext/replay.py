@@ -8,9 +8,11 @@ backend or vLLM release they do not know still compiles on its first requests. W
 How (Triton's own mechanisms, through kwarm_ext/triton_compat.py):
   1. load the manifest: a trusted file, this Triton, this GPU architecture (one log line and
      no replay otherwise);
-  2. resolve each entry (allow-listed modules only), skip it when its kernel's source changed,
-     when it asks for a refused compiler option, or when it is an autotune config that was
-     not chosen; each skip is one log line naming the entry and the reason;
+  2. resolve each entry (allow-listed modules whose source defines Triton kernels only), skip
+     it when its kernel's source changed, when a compiler option is not on the allow-list
+     (``manifest.LAUNCH_OPTIONS``), or when it is an autotune config that was not chosen; each
+     skip is one log line naming the entry and the reason (loading already dropped entries
+     whose constants disagree with their key);
   3. ``preload`` every entry with the launch options of its key, in parallel
      (``AsyncCompileMode`` on a thread pool sized to this rank's share of the cores);
   4. seed the autotuners' caches with the recorded choices (no benchmarking at first launch);
@@ -30,7 +32,6 @@ import time
 
 from kwarm_ext import config, learn, manifest, monitor, triton_compat
 from kwarm_ext.families import Step
-from kwarm_ext.manifest import REFUSED_OPTIONS
 
 logger = logging.getLogger("kwarm")
 NO_GPU = "no GPU driver is active (a stub or none): kernels load and launch at first use"
@@ -220,14 +221,14 @@ def check_kernel(item, resolver: Resolver):
 
 
 def check_entry(entry, resolver: Resolver):
-    """:func:`check_kernel`, and no compiler option that substitutes IR or links libraries."""
+    """:func:`check_kernel`, and only allow-listed compiler options with values in range
+    (``manifest.LAUNCH_OPTIONS``; ``load`` already drops other entries)."""
     kernel, why = check_kernel(entry, resolver)
     if why:
         return None, why
-    refused = [name for name in entry.launch_options if name in REFUSED_OPTIONS]
+    refused = manifest.disallowed_options(entry.launch_options)
     if refused:
-        return None, ("option refused", "; ".join(
-            f"compiler option {name} refused: it {REFUSED_OPTIONS[name]}" for name in refused))
+        return None, ("option refused", "; ".join(refused))
     return kernel, None
 
 

@@ -107,6 +107,64 @@ class ResolvedKernel:
         return self.jit.cache_key
 
 
+KERNEL_MARKS = ("triton.jit", "@jit")
+
+
+def module_source(module: str) -> str | None:
+    """The path of `module`'s Python source, found without importing it or its packages
+    (only the top-level package is looked up on ``sys.path``); None where there is none."""
+    import importlib.util
+
+    top, *parts = module.split(".")
+    loaded = sys.modules.get(top)
+    try:
+        spec = None if loaded is not None else importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if loaded is not None:
+        dirs = list(getattr(loaded, "__path__", []) or [])
+        origin = getattr(loaded, "__file__", None)
+    elif spec is None:
+        return None
+    else:
+        dirs = list(spec.submodule_search_locations or [])
+        origin = spec.origin
+    for i, part in enumerate(parts):
+        found = None
+        for d in dirs:
+            package, plain = os.path.join(d, part, "__init__.py"), os.path.join(d, part + ".py")
+            if os.path.isfile(package):
+                found, dirs = package, [os.path.join(d, part)]
+                break
+            if os.path.isfile(plain) and i == len(parts) - 1:
+                found, dirs = plain, []
+                break
+            if os.path.isdir(os.path.join(d, part)) and i < len(parts) - 1:  # a namespace package
+                found, dirs = None, [os.path.join(d, part)]
+                break
+        else:
+            return None
+        origin = found
+    return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
+
+
+def not_a_kernel_module(module: str) -> str | None:
+    """Why replay will not import `module` (None when it may): only a module whose source
+    defines Triton kernels is imported, so that a manifest cannot choose the side effects of
+    importing anything else under an allowed prefix."""
+    path = module_source(module)
+    if path is None:
+        return f"module {module} has no Python source to check; not imported"
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(4 << 20)
+    except OSError as exc:
+        return f"module {module}: cannot read {path} ({exc.strerror}); not imported"
+    if not any(mark in text for mark in KERNEL_MARKS):
+        return f"module {module} defines no Triton kernel (no {' or '.join(KERNEL_MARKS)}); not imported"
+    return None
+
+
 def resolve(module: str, qualname: str, *, import_missing: bool = True) -> ResolvedKernel:
     """Find a kernel; the caller has checked `module` against the allow-list.
 
@@ -121,6 +179,9 @@ def resolve(module: str, qualname: str, *, import_missing: bool = True) -> Resol
     if mod is None:
         if not import_missing:
             raise Unresolvable(f"module {module} is not imported")
+        why = not_a_kernel_module(module)
+        if why:
+            raise Unresolvable(why)
         try:
             mod = importlib.import_module(module)
         except Exception as exc:
@@ -190,8 +251,9 @@ def launch_options(key: str) -> dict:
 def _key_splits(key: str):
     """Each way, last first, to read an in-memory key as ``spec_text + options_text`` whose
     options part is a readable dict: yields (spec_text, options_text, options)."""
-    start = key.rfind("]{")
-    while start != -1:
+    start, tries = key.rfind("]{"), 0
+    while start != -1 and tries < _MAX_SPLITS:  # bounded: a crafted key cannot cost n^2
+        tries += 1
         try:
             options = ast.literal_eval(key[start + 1:])
         except _LITERAL_ERRORS:
@@ -199,6 +261,17 @@ def _key_splits(key: str):
         if isinstance(options, dict):
             yield key[:start + 1], key[start + 1:], options
         start = key.rfind("]{", 0, start)
+
+
+_MAX_SPLITS = 3  # Triton's options dict holds no "]{"; a few tries cover a value that does
+
+
+def key_specialization(key: str) -> list | None:
+    """The specialization list at the start of an in-memory key (one element per argument:
+    ``(type, attribute)``, ``("constexpr", value)``), or None where it cannot be read."""
+    for spec_text, _, _ in _key_splits(key):
+        return _read_specialization(spec_text)
+    return None
 
 
 def encode_constant(value):

@@ -87,7 +87,7 @@ def test_new_settings_parse_with_defaults():
 @pytest.mark.parametrize("var, value, expect", [
     ("KWARM_LEARN", "sometimes", "KWARM_LEARN='sometimes' is invalid (expected 1/true/yes/on, all, or "
                                  "0/false/no/off); using the default '0'"),
-    ("KWARM_LEARN_INTERVAL", "-3", "KWARM_LEARN_INTERVAL='-3' is invalid (expected a number of seconds >= 0); "
+    ("KWARM_LEARN_INTERVAL", "-3", "KWARM_LEARN_INTERVAL='-3' is invalid (expected a number of seconds from 0 to 86400); "
                                    "using the default '60'"),
     ("KWARM_MANIFEST", "/", "KWARM_MANIFEST='/' is invalid (it is a directory; give a file path); "
                             "using the default None"),
@@ -266,17 +266,22 @@ def test_changed_kernel_source_is_skipped(tmp_path, kwarm_log, monkeypatch, fake
                                       "the kernel's source changed since it was recorded"]
 
 
-def test_ir_override_and_extern_libs_are_refused(tmp_path, kwarm_log, fake_driver):
-    bad = [entry(options={"ir_override": "/tmp/evil.ptx", **OPTIONS}),
-           entry(n_class="", options={"extern_libs": [["libdevice", "/tmp/evil.bc"]], **OPTIONS})]
-    state = replay.prepare(str(write(tmp_path / "m.json", bad + [entry(block=64)])), STAMP, ALLOWED)
-    assert [s.kind for s in state.skipped] == ["option refused"] * 2 and len(state.jobs) == 1
-    lines = sorted(warnings_of(kwarm_log))
-    assert len(lines) == 2
-    assert lines[0].endswith(f"{bad[1].label}: compiler option extern_libs refused: it links external "
-                             "bitcode libraries")
-    assert lines[1].endswith(f"{bad[0].label}: compiler option ir_override refused: it substitutes IR or "
-                             "PTX from a file")
+@pytest.mark.parametrize("extra, reason", [
+    ({"ir_override": "/tmp/evil.ptx"}, "compiler option ir_override is not allowed"),
+    ({"extern_libs": [["libdevice", "/tmp/evil.bc"]]}, "compiler option extern_libs is not allowed"),
+    ({"ptx_options": "--options-file /etc/shadow"}, "compiler option ptx_options is not allowed"),
+    ({"num_warps": 3}, "compiler option num_warps=3 is out of range"),
+    ({"num_stages": 10 ** 9}, "compiler option num_stages=1000000000 is out of range"),
+    ({"instrumentation_mode": "a b;c"}, "compiler option instrumentation_mode='a b;c' is out of range"),
+])
+def test_only_allow_listed_compiler_options_with_bounded_values(tmp_path, kwarm_log, fake_driver, extra, reason):
+    """An allow-list, not a deny-list: every option a key carries must be known and in range."""
+    bad = entry(options={**OPTIONS, **extra})
+    state = replay.prepare(str(write(tmp_path / "m.json", [bad, entry(block=64)])), STAMP, ALLOWED)
+    assert [(s.kind, s.reason) for s in state.skipped] == [("malformed", f"malformed: {reason}")]
+    assert len(state.jobs) == 1
+    assert warnings_of(kwarm_log) == [f"kwarm: replay skipped {bad.label}: malformed: {reason}"]
+    assert manifest.disallowed_options({"num_warps": 4, "num_stages": 3, "maxnreg": None, "debug": False}) == []
 
 
 @pytest.mark.parametrize("ref, reason", [

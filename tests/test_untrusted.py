@@ -1,0 +1,284 @@
+"""Manifests, reports and configuration as untrusted input: the holes an adversarial test found
+(issue 16), each as a case that must stay closed. The engine side is ``replay.prepare`` and
+``manifest.save``/``load`` in-process; the CLI runs as a subprocess with a timeout, so that a
+hang fails the test instead of the suite."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env
+from kwarm_ext import config, manifest, replay, triton_compat, warmup
+from kwarm_ext.manifest import BadManifest, Stamp
+
+triton = pytest.importorskip("triton")
+from test_manifest import ALLOWED, OPTIONS, STAMP, entry, fake_driver, warnings_of, write  # noqa: E402,F401
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="needs root (device nodes, another user's files)")
+
+
+def kwarm_cli(*args, timeout=20, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "kwarm_ext.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd or "/", env=env or clean_env())
+
+
+# ---------------------------------------------------------------------------- 2. constants vs key
+
+def test_constants_that_disagree_with_the_key_are_refused(tmp_path, kwarm_log, fake_driver):
+    liar = entry(block=128)
+    liar.spec["constant_vals"] = [64]  # the key says BLOCK=128
+    state = replay.prepare(str(write(tmp_path / "m.json", [liar, entry(block=32)])), STAMP, ALLOWED)
+    assert [s.kind for s in state.skipped] == ["malformed"] and len(state.jobs) == 1
+    assert "constant 3 is 64 but the key says 128" in state.skipped[0].reason
+
+
+def test_a_key_whose_specialization_cannot_be_read_is_refused(tmp_path, fake_driver):
+    odd = entry()
+    odd_key = odd.key.replace("('constexpr', 128)", "('constexpr', os.system)")
+    raw = manifest.Manifest(STAMP, [odd]).as_json()
+    raw["entries"][0]["key"] = odd_key
+    data = manifest.parse(json.dumps(raw))
+    assert data.entries == [] and "cannot be read" in data.problems[0][1]
+
+
+# ---------------------------------------------------------------------------- 3, 4. FIFOs and devices
+
+def test_a_fifo_at_the_manifest_path_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo, 0o600)
+    t0 = time.monotonic()
+    with pytest.raises(BadManifest, match="not a regular file"):
+        manifest.load(str(fifo))
+    with pytest.raises(BadManifest, match="not a regular file"):
+        manifest.save(str(fifo), STAMP, [entry()])
+    assert time.monotonic() - t0 < 5 and stat.S_ISFIFO(os.lstat(fifo).st_mode), "left as it was"
+    for action in ("show", "verify"):
+        proc = kwarm_cli("manifest", action, str(fifo))
+        assert proc.returncode == 2 and "not a regular file" in proc.stdout and "Traceback" not in proc.stderr
+
+
+@needs_root
+def test_a_device_node_is_never_replaced(tmp_path):
+    node = tmp_path / "dev-null"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    with pytest.raises(BadManifest, match="refused to replace .*not a regular file"):
+        manifest.save(str(node), STAMP, [entry()])
+    with pytest.raises(BadManifest, match="not a regular file"):
+        warmup.write_report({"total_s": 1}, str(node), 0)
+    assert stat.S_ISCHR(os.lstat(node).st_mode), "still the device"
+
+
+def test_a_report_path_that_is_a_fifo_is_refused(tmp_path):
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(BadManifest, match="not a regular file"):
+        warmup.write_report({"total_s": 1}, str(fifo), 0)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+# ---------------------------------------------------------------------------- 5. the lock
+
+def test_a_held_lock_is_waited_for_a_bounded_time(tmp_path, monkeypatch):
+    import fcntl
+
+    path = tmp_path / "m.json"
+    holder = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a stopped process that holds the lock
+    monkeypatch.setattr(manifest, "LOCK_TIMEOUT_S", 0.3)
+    t0 = time.monotonic()
+    with pytest.raises(manifest.LockTimeout, match="held by another process for over 0.3 s; not saved"):
+        manifest.save(str(path), STAMP, [entry()])
+    assert time.monotonic() - t0 < 3 and not path.exists()
+    os.close(holder)
+    assert manifest.save(str(path), STAMP, [entry()]).added == 1, "saves once it is free"
+
+
+def test_a_symlinked_lock_is_refused_and_its_target_never_created(tmp_path):
+    path, target = tmp_path / "m.json", tmp_path / "elsewhere"
+    os.symlink(target, str(path) + ".lock")
+    with pytest.raises(BadManifest, match="cannot open the lock"):
+        manifest.save(str(path), STAMP, [entry()])
+    assert not target.exists() and not path.exists()
+
+
+@needs_root
+def test_another_users_lock_file_is_refused(tmp_path):
+    path = tmp_path / "m.json"
+    lock = Path(str(path) + ".lock")
+    lock.write_text("")
+    os.chmod(lock, 0o666)
+    os.chown(lock, 65534, 65534)
+    with pytest.raises(BadManifest, match="refused the lock .*not a regular file of this user"):
+        manifest.save(str(path), STAMP, [entry()])
+
+
+def test_a_learner_whose_save_times_out_exits_promptly(tmp_path):
+    """A learning process's at-exit save waits at most the lock's timeout."""
+    code = f"""
+import fcntl, os, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from kwarm_ext import learn, manifest
+from kwarm_ext.manifest import Stamp
+manifest.LOCK_TIMEOUT_S = 0.5
+path = {str(tmp_path / 'm.json')!r}
+fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+pid = os.fork()
+if pid == 0:  # a process that holds the lock and never lets go
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1), os.dup2(null, 2)
+    fcntl.flock(os.open(path + ".lock", os.O_RDWR), fcntl.LOCK_EX)
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.5)
+learner = learn.Learner(path, Stamp("3.6.0", "cuda:90"), learn.Recorder(("vllm.",)), 0)
+learner.recorder.give_back([manifest.Entry("vllm.x", "k", "0" * 64, "[]{{}}", {{}}, {{}})])
+learner.save_quietly("exit")
+os.kill(pid, 9)
+print("RESULT", learner.saves)
+"""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, env=clean_env(),
+                          cwd="/")  # the installed kwarm, not this tree's
+    assert "RESULT 0" in proc.stdout, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 10
+
+
+# ---------------------------------------------------------------------------- 6, 7. parse cost, nesting
+
+def test_crafted_long_keys_cost_no_quadratic_time(tmp_path):
+    e = manifest.Manifest(STAMP, [entry()]).as_json()
+    raw = e["entries"][0]
+    crafted = [dict(raw, key="[" + "]{" * 50_000 + "]" + str(OPTIONS)) for _ in range(10)]
+    near_limit = [dict(raw, key="]{" * 9_000 + raw["key"])]
+    text = json.dumps(dict(e, entries=crafted + near_limit))
+    t0 = time.monotonic()
+    data = manifest.parse(text)
+    assert time.monotonic() - t0 < 2.0
+    assert data.entries == [] and len(data.problems) == 11
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    path.chmod(0o600)
+    with pytest.raises(BadManifest, match="nested too deeply"):
+        manifest.load(str(path))
+    proc = kwarm_cli("manifest", "show", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stdout.splitlines()) == 1
+    result = manifest.save(str(path), STAMP, [entry()])  # learning can replace it
+    assert result.added == 1 and "nested too deeply" in result.note
+
+
+# ---------------------------------------------------------------------------- 8. log injection
+
+def test_manifest_strings_are_escaped_in_logs_and_show(tmp_path, kwarm_log, fake_driver, capsys):
+    raw = manifest.Manifest(Stamp(**{**STAMP.__dict__, "model": "m\x1b[31mRED\nWARNING forged"}), [entry()]).as_json()
+    raw["entries"].append(dict(raw["entries"][0], module="vllm.x\nWARNING kwarm: forged", key=7))
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(raw))
+    path.chmod(0o600)
+    replay.prepare(str(path), Stamp(**{**STAMP.__dict__, "model": "other"}), ALLOWED)
+    for line in kwarm_log.messages(0) + warnings_of(kwarm_log):
+        assert "\n" not in line and "\x1b" not in line, repr(line)
+    proc = kwarm_cli("manifest", "show", str(path))
+    assert "\x1b" not in proc.stdout and "forged" not in "".join(
+        line for line in proc.stdout.splitlines() if line.startswith("WARNING"))
+    assert "model m\\x1b[31mRED\\x0aWARNING forged" in proc.stdout
+
+
+# ---------------------------------------------------------------------------- 9. imports
+
+def test_only_modules_that_define_triton_kernels_are_imported(tmp_path, monkeypatch):
+    pkg = tmp_path / "allowedpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "effects.py").write_text("import sys\nsys.path.insert(0, '/kwarm-was-here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    why = triton_compat.not_a_kernel_module("allowedpkg.sub.effects")
+    assert why == "module allowedpkg.sub.effects defines no Triton kernel (no triton.jit or @jit); not imported"
+    with pytest.raises(triton_compat.Unresolvable, match="defines no Triton kernel"):
+        triton_compat.resolve("allowedpkg.sub.effects", "kernel")
+    assert "/kwarm-was-here" not in sys.path and "allowedpkg.sub.effects" not in sys.modules
+    assert "allowedpkg" not in sys.modules, "not even its package was imported to find it"
+    assert "defines no Triton kernel" in triton_compat.not_a_kernel_module("kwarm_ext._bootstrap.sitecustomize")
+    assert triton_compat.not_a_kernel_module("replay_kernels") is None
+    assert "no Python source" in triton_compat.not_a_kernel_module("allowedpkg.missing")
+
+
+# ---------------------------------------------------------------------------- 10-12. configuration
+
+def test_configuration_edges():
+    s = config.parse({"KWARM_LEARN_INTERVAL": "1e10"}, known_families=("runner",))
+    assert s.learn_interval == 60.0 and "KWARM_LEARN_INTERVAL" in s.problems[0]
+    s = config.parse({"KWARM_WARMUPS": "-*"}, known_families=("runner", "qwen_gdn"))
+    assert not s.warmups.wants("runner") and not s.warmups.wants("qwen_gdn"), "-* is no family"
+    s = config.parse({"KWARM_WARMUPS": "-*,runner"}, known_families=("runner", "qwen_gdn"))
+    assert s.warmups.wants("runner") and not s.warmups.wants("qwen_gdn")
+    s = config.parse({"KWARM_MANIFEST": "~/m.json", "KWARM_REPORT": "~/r.json"}, known_families=())
+    assert s.manifest == os.path.expanduser("~/m.json") and s.report == os.path.expanduser("~/r.json")
+
+
+# ---------------------------------------------------------------------------- 13, 14. the CLI
+
+def test_kwarm_run_never_runs_a_program_from_the_current_folder(tmp_path):
+    prog = tmp_path / "sneaky"
+    prog.write_text("#!/bin/sh\necho RAN\n")
+    prog.chmod(0o755)
+    env = dict(clean_env(), PATH="/usr/bin:/bin")
+    proc = kwarm_cli("run", "--", "sneaky", cwd=str(tmp_path), env=env)
+    assert proc.returncode == 127 and "RAN" not in proc.stdout
+    assert proc.stderr.strip() == "kwarm run: sneaky: command not found on PATH"
+
+
+@pytest.mark.parametrize("output", ["DIR", "/proc/kwarm-x.json"])
+def test_merge_into_an_unwritable_output_is_one_line(tmp_path, output):
+    src = write(tmp_path / "a.json", [entry()], mode=0o600)
+    out = str(tmp_path) if output == "DIR" else output
+    proc = kwarm_cli("manifest", "merge", str(src), "-o", out)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip().startswith(f"kwarm manifest merge: cannot write {out}")
+    assert not Path(str(tmp_path) + ".lock").exists(), "no stray lock beside a directory"
+
+
+# ---------------------------------------------------------------------------- 15. temporaries
+
+def test_a_killed_saves_temporary_is_cleaned_up(tmp_path):
+    path = tmp_path / "m.json"
+    stale = tmp_path / ".m.json.abc123.tmp"
+    stale.write_text("")
+    other = tmp_path / ".other.json.x.tmp"
+    other.write_text("")
+    manifest.save(str(path), STAMP, [entry()])
+    assert not stale.exists() and other.exists() and path.exists()
+
+
+# ---------------------------------------------------------------------------- a second user
+
+@needs_root
+def test_a_manifest_written_by_another_user_in_a_shared_folder_is_refused(tmp_path, kwarm_log, fake_driver):
+    import shutil
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="kwarm-shared-", dir="/tmp"))  # reachable by another user
+    os.chmod(shared, 0o1777)
+    request_cleanup = shared
+    path = shared / "m.json"
+    good = json.dumps(manifest.Manifest(STAMP, [entry()]).as_json())
+    subprocess.run(["/bin/sh", "-c", 'cat > "$1" && chmod 644 "$1"', "sh", str(path)], input=good, text=True,
+                   check=True, timeout=20, user=65534, group=65534, env={"PATH": "/usr/bin:/bin"})
+    assert os.stat(path).st_uid == 65534
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    assert state.jobs == [] and "owned by uid 65534" in state.refused
+    with pytest.raises(BadManifest, match="owned by uid 65534, not this user"):
+        manifest.save(str(path), STAMP, [entry()])
+    assert os.stat(path).st_uid == 65534, "not replaced"
+    shutil.rmtree(request_cleanup)
