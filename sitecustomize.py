@@ -31,6 +31,9 @@ try:
 
     kwarm_ext.activate("sitecustomize")
 except Exception as exc:  # never break the user's interpreter
-    sys.stderr.write(f"WARNING kwarm: bootstrap failed, kwarm is off in this process: {exc!r}\n")
+    hint = (" (kwarm is not installed for this interpreter: install it there, or run a Python that has it)"
+            if isinstance(exc, ImportError) and getattr(exc, "name", "") == "kwarm_ext" else "")
+    sys.stderr.write(f"WARNING kwarm: bootstrap failed in {sys.executable}, kwarm is off in this process: "
+                     f"{exc!r}{hint}\n")
 
 _chain_user_sitecustomize()

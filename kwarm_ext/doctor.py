@@ -77,26 +77,59 @@ def manifests(settings) -> dict:
             "override_exists": bool(settings.manifest) and os.path.isfile(settings.manifest)}
 
 
+def gpu() -> dict:
+    """Whether this machine has a CUDA GPU torch can use (families warm GPU kernels only)."""
+    if _version("torch") is None:
+        return {"available": False, "why": "torch is not installed"}
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        return {"available": False, "why": f"torch.cuda failed: {type(exc).__name__}: {exc}"}
+    if not count:
+        return {"available": False, "why": "no CUDA GPU is visible (torch.cuda.is_available() is False)"}
+    return {"available": True, "count": count, "name": torch.cuda.get_device_name(0)}
+
+
+def enabled_text(raw: str | None, enabled: bool) -> str:
+    """The doctor's first-line word on KWARM_ENABLE."""
+    if enabled:
+        return "enabled"
+    if raw is None:
+        return "disabled (KWARM_ENABLE is not set)"
+    from kwarm_ext.config import FALSE
+
+    if raw.strip().lower() in FALSE:
+        return f"disabled (KWARM_ENABLE={raw!r})"
+    return f"disabled (KWARM_ENABLE={raw!r} is not 1/true/yes/on or 0/false/no/off)"
+
+
 def collect() -> dict:
     from kwarm_ext import __version__, activation, config
     from kwarm_ext.families import FAMILIES
     from kwarm_ext.upstream import UPSTREAM_WARMUPS, detect
 
     settings = config.parse()
+    vllm = _version("vllm")
+    here = gpu()
     report = {
         "kwarm": __version__,
+        "enable_text": enabled_text(os.environ.get("KWARM_ENABLE"), settings.enable),
+        "gpu": here,
         "versions": {"python": platform.python_version(), "torch": _version("torch"),
                      "triton": _version("triton"), "vllm": _version("vllm"), "wrapt": _version("wrapt")},
         "enabled": settings.enable, "active_in_this_process": activation.is_active(),
         "doors": doors(settings.enable),
-        "hook_target": hook_target() if _version("vllm") else {"found": False, "error": "vllm is not installed"},
-        "upstream_warmups": {},
+        "hook_target": hook_target() if vllm else {"found": False, "error": "vllm is not installed"},
+        "upstream_warmups": {} if vllm else {"error": "vllm is not installed: nothing to compare with"},
         "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
-                         "forced": n in settings.warmups.forced} for n, f in FAMILIES.items()},
+                         "forced": n in settings.warmups.forced,
+                         "here": _applies_here(n, settings, vllm, here)} for n, f in FAMILIES.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),
     }
-    if _version("vllm"):
+    if vllm:
         try:
             found = detect()
             report["upstream_warmups"] = {n: {"present": found[n], "covers": UPSTREAM_WARMUPS[n][1],
@@ -106,25 +139,47 @@ def collect() -> dict:
     return report
 
 
+def _applies_here(name: str, settings, vllm: str | None, here: dict) -> str:
+    """Whether family `name` would run on this machine, and if not, why."""
+    if not settings.warmups.wants(name):
+        return "no: disabled by KWARM_WARMUPS"
+    if not settings.enable:
+        return "no: kwarm is disabled (KWARM_ENABLE)"
+    if name == "frontend":
+        return "in vLLM's front-end process" if vllm else "no: vllm is not installed"
+    if not vllm:
+        return "no: vllm is not installed"
+    if not here["available"]:
+        return f"no: {here['why']}"
+    return "yes, where the engine's model has what it warms"
+
+
 def render(r: dict) -> str:
     yes = lambda b: "yes" if b else "no"  # noqa: E731
-    lines = [f"kwarm {r['kwarm']}: {'enabled' if r['enabled'] else 'disabled (KWARM_ENABLE is not set)'}", "",
-             "versions:"]
+    lines = [f"kwarm {r['kwarm']}: {r['enable_text']}", "", "versions:"]
     lines += [f"  {k:8s} {v or 'not installed'}" for k, v in r["versions"].items()]
+    g = r["gpu"]
+    lines += ["", f"GPU: {g['name']} x {g['count']}" if g["available"] else
+              f"GPU: none ({g['why']}): kwarm's warmups run on CUDA GPUs only"]
     lines += ["", "activation doors:"]
     for name, d in r["doors"].items():
         note = f"  ({d['note']})" if d.get("note") else ""
         lines.append(f"  {name:28s} installed={yes(d['installed'])} would_fire={yes(d['would_fire'])}{note}")
     h = r["hook_target"]
-    lines += ["", f"hook target: {h.get('module')}.{h.get('attribute')} found={yes(h.get('found'))} "
-                  f"patched={yes(h.get('patched'))}" + (f"  error: {h['error']}" if h.get("error") else "")]
+    if h.get("module") is None:
+        lines += ["", f"hook target: unknown ({h.get('error')}; kwarm hooks vLLM's worker warmup)"]
+    else:
+        lines += ["", f"hook target: {h.get('module')}.{h.get('attribute')} found={yes(h.get('found'))} "
+                      f"patched={yes(h.get('patched'))}" + (f"  error: {h['error']}" if h.get("error") else "")]
     if h.get("after_capture"):
         a = h["after_capture"]
         lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "
                      f"patched={yes(a['patched'])}")
     lines += ["", "upstream warmups in this vLLM:"]
     for name, u in r["upstream_warmups"].items():
-        if isinstance(u, dict):
+        if name == "error":
+            lines.append(f"  ({u})")
+        elif isinstance(u, dict):
             lines.append(f"  {name:26s} {'present' if u['present'] else 'absent ':8s} {u['covers']} [{u['releases']}]")
         else:
             lines.append(f"  {name}: {u}")
@@ -133,6 +188,7 @@ def render(r: dict) -> str:
     for name, f in r["families"].items():
         state = "forced" if f["forced"] else ("selected" if f["selected"] else "disabled")
         lines.append(f"  {name:{width}s} {state:9s} {f['summary']}")
+        lines.append(f"  {'':{width}s} {'':9s} runs here: {f['here']}")
     m = r.get("manifests") or {}
     lines += ["", "learn-and-replay manifests:"]
     if m.get("override"):
@@ -145,7 +201,20 @@ def render(r: dict) -> str:
 
 
 def main(as_json: bool = False) -> int:
-    report = collect()
+    """Print the report on stdout, and only the report (with `as_json`, the JSON alone):
+    whatever importing vLLM and torch prints (vLLM's log lines) goes to stderr."""
+    import contextlib
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)  # C-level writes and handlers bound to fd 1 during the collection
+        with contextlib.redirect_stdout(sys.stderr):  # handlers bound to sys.stdout (vLLM's)
+            report = collect()
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
     print(json.dumps(report, indent=1, default=str) if as_json else render(report))
     return 0
 

@@ -20,7 +20,7 @@ pip_() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; 
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
   echo "== creating $VENV with vllm==0.24.0 (a few minutes the first time)"
   "$PY" -m venv "$VENV"
-  pip_ install -q --upgrade pip "setuptools>=70.1,<82" wheel
+  pip_ install -q --upgrade pip "setuptools>=77,<82" wheel
   pip_ install -q "vllm==0.24.0" pytest gguf
 fi
 echo "== installing kwarm-ext from this tree"

@@ -16,7 +16,7 @@ DOCTOR_JSON = "import sys; from kwarm_ext import cli; sys.exit(cli.main(['doctor
 def doctor(env, release=None):
     proc = run_py(DOCTOR_JSON, env=env, release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout)  # stdout holds the JSON alone (vLLM's log lines go to stderr)
 
 
 def test_doctor_reports_installed_doors_and_hook_target():
@@ -62,3 +62,34 @@ def test_doctor_text_and_help():
     assert "hook target: vllm.v1.worker.gpu_worker.kernel_warmup found=yes" in text.stdout
     help_ = subprocess.run([str(kwarm), "--help"], capture_output=True, text=True, env=clean_env())
     assert "kwarm run" in help_.stdout and "KWARM_WARMUPS" in help_.stdout
+
+
+def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
+    """`kwarm doctor --json | jq .enabled` works: importing vLLM logs to stderr, not stdout."""
+    kwarm = Path(sys.executable).parent / "kwarm"
+    proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
+                          env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0
+    r = json.loads(proc.stdout)
+    assert r["enabled"] is True and r["gpu"]["available"] is False
+    assert r["families"]["runner"]["here"].startswith("no: no CUDA GPU is visible")
+    text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
+                          env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES="")).stdout
+    assert "GPU: none (no CUDA GPU is visible (torch.cuda.is_available() is False)): kwarm's warmups run on " \
+           "CUDA GPUs only" in text
+    assert "runs here: no: no CUDA GPU is visible" in text
+
+
+@pytest.mark.parametrize("value, first", [
+    ("banana", "disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)"),
+    ("0", "disabled (KWARM_ENABLE='0')"),
+    (None, "disabled (KWARM_ENABLE is not set)"),
+])
+def test_doctor_first_line_says_what_kwarm_enable_is(value, first):
+    kwarm = Path(sys.executable).parent / "kwarm"
+    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    env.pop("KWARM_ENABLE", None)
+    if value is not None:
+        env["KWARM_ENABLE"] = value
+    text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True, env=env).stdout
+    assert text.splitlines()[0].endswith(first), text.splitlines()[0]

@@ -69,6 +69,26 @@ def test_wheel_layout(wheel):
     requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
                 if l.startswith("Requires-Dist") and "extra ==" not in l]
     assert [r.split(":")[1].split(">")[0].split("=")[0].strip() for r in requires] == ["wrapt"]
+    metadata = zipfile.ZipFile(wheel).read(meta).decode()
+    assert "License-Expression: Apache-2.0" in metadata and "Name: kwarm-ext" in metadata
+
+
+def test_sdist_builds_and_carries_what_the_wheel_is_built_from(tmp_path):
+    """`pip install kwarm-ext` has no index to come from yet: the README installs from a clone
+    or from a wheel or sdist built from it; both must build, with the same metadata."""
+    import tarfile
+
+    proc = subprocess.run([sys.executable, "-c", "from setuptools import build_meta as b; import sys; "
+                           f"print(b.build_sdist({str(tmp_path)!r}))"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sdist = tmp_path / proc.stdout.strip().splitlines()[-1]
+    with tarfile.open(sdist) as tar:
+        names = tar.getnames()
+        pkg_info = tar.extractfile(next(n for n in names if n.endswith("/PKG-INFO"))).read().decode()
+    root = names[0].split("/")[0]
+    for path in ("kwarm_ext/kwarm-ext.pth", "kernels/eager_gemm.py", "sitecustomize.py", "setup.py", "README.md"):
+        assert f"{root}/{path}" in names, path
+    assert "License-Expression: Apache-2.0" in pkg_info and "Requires-Dist: wrapt" in pkg_info
 
 
 def test_pth_door_in_a_fresh_venv(fresh_venv):
@@ -77,9 +97,27 @@ def test_pth_door_in_a_fresh_venv(fresh_venv):
     on = last_json(run_py(ACTIVE, env=bare_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
     # a venv's lib64 -> lib link can make site run the .pth twice: activation is idempotent
     assert on["active"] is True and set(on["sources"]) == {".pth"} and on["heavy"] == []
-    # KWARM_ENABLE set but false: the line imports kwarm_ext, which stays off
-    zero = last_json(run_py(ACTIVE, env=bare_env(KWARM_ENABLE="0"), python=str(fresh_venv)))
-    assert zero["active"] is False
+    # KWARM_ENABLE set but false: as free as unset, nothing of kwarm imported
+    for falsy in ("0", "false", "no", "off", " OFF "):
+        proc = run_py(PROBE, env=bare_env(KWARM_ENABLE=falsy), python=str(fresh_venv))
+        assert last_json(proc) == {m: False for m in HEAVY} and proc.stderr == "", falsy
+    # neither: one warning line in each Python process, and kwarm stays off (and unimported)
+    proc = run_py(PROBE, env=bare_env(KWARM_ENABLE="banana"), python=str(fresh_venv))
+    assert last_json(proc) == {m: False for m in HEAVY}
+    assert proc.stderr.strip() == ("WARNING kwarm: KWARM_ENABLE='banana' is not 1/true/yes/on or "
+                                   "0/false/no/off: kwarm is off")
+
+
+def test_doctor_without_vllm_or_torch_says_why(fresh_venv):
+    proc = subprocess.run([str(fresh_venv), "-m", "kwarm_ext.cli", "doctor"], capture_output=True, text=True,
+                          env=bare_env(KWARM_ENABLE="1"), cwd="/", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "None.None" not in text
+    assert "hook target: unknown (vllm is not installed; kwarm hooks vLLM's worker warmup)" in text
+    assert "(vllm is not installed: nothing to compare with)" in text
+    assert "GPU: none (torch is not installed)" in text
+    assert "runs here: no: vllm is not installed" in text
 
 
 def test_disabled_means_free_in_the_test_venv():
@@ -112,6 +150,20 @@ def test_kwarm_run_door_chains_user_sitecustomize(tmp_path):
     assert result["user"] is True
     assert result["active"] is True and "sitecustomize" in result["sources"]
     assert result["heavy"] == []
+
+
+def test_kwarm_run_names_an_interpreter_that_lacks_kwarm(tmp_path):
+    """The bootstrap runs in every Python the command starts; one without kwarm says which."""
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    if not base.exists() or Path(sys.prefix) == Path(sys.base_prefix):
+        pytest.skip("no interpreter without kwarm next to this venv")
+    proc = subprocess.run([sys.executable, "-m", "kwarm_ext.cli", "run", "--", str(base), "-c", "print('ran')"],
+                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path), env=clean_env())
+    if "bootstrap failed" not in proc.stderr:
+        pytest.skip(f"{base} can import kwarm_ext after all")
+    assert proc.stdout.strip() == "ran", "the command still runs"
+    assert f"WARNING kwarm: bootstrap failed in {base}" in proc.stderr
+    assert "kwarm is not installed for this interpreter" in proc.stderr
 
 
 def test_kwarm_run_without_command_explains():
