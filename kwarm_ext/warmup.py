@@ -10,10 +10,12 @@ per worker and, with ``KWARM_REPORT``, a JSON report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 
 from kwarm_ext import budget, config, engine, monitor
@@ -161,8 +163,12 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         result.seconds = round(time.perf_counter() - t0, 4)
         return result
     result.status = "ran"
-    with monitor.capture() as compiled:
+    runnable = [step.name for step in steps if step.skip is None and step.run is not None]
+    logger.info("kwarm: %s: %d of %d steps to run (%s)", name, len(runnable), len(steps),
+                ", ".join(runnable) or "none")
+    with monitor.capture() as compiled, _progress(name) as current:
         for step in steps:
+            current[0] = step.name
             result.steps.append(_run_step(name, step))
     result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key} for c in compiled]
     if callable(getattr(module, "details", None)):
@@ -172,6 +178,30 @@ def _run_family(name: str, view, settings) -> FamilyResult:
             pass
     result.seconds = round(time.perf_counter() - t0, 4)
     return result
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+@contextlib.contextmanager
+def _progress(family: str):
+    """While the block runs, one line every PROGRESS_EVERY_S seconds naming the family, its
+    current step and the time so far (long warmups are not silent). Yields a one-item list
+    the caller keeps the current step's name in."""
+    current, stop, t0 = [""], threading.Event(), time.perf_counter()
+
+    def beat():
+        while not stop.wait(PROGRESS_EVERY_S):
+            logger.info("kwarm: %s: still warming (step %s, %.0f s so far)", family, current[0],
+                        time.perf_counter() - t0)
+
+    thread = threading.Thread(target=beat, name=f"kwarm-progress-{family}", daemon=True)
+    thread.start()
+    try:
+        yield current
+    finally:
+        stop.set()
+        thread.join(timeout=1)
 
 
 def _learning_text(learning) -> str:

@@ -161,3 +161,21 @@ def test_unwritable_report_is_one_warning(hooked, test_family, kwarm_log, tmp_pa
     assert gpu_worker.kernel_warmup(stand_in_worker()) == "vllm-result"
     warnings = kwarm_log.messages()
     assert len(warnings) == 1 and warnings[0].startswith("kwarm: report failed, skipped")
+
+
+def test_long_warmups_log_their_start_and_progress(hooked, test_family, kwarm_log, monkeypatch):
+    """A line as each family starts (what it will run), and one every PROGRESS_EVERY_S inside it."""
+    import time
+
+    monkeypatch.setattr(warmup, "PROGRESS_EVERY_S", 0.05)
+    test_family.boom = lambda: time.sleep(0.3) or ["v"]
+    hooked()
+    gpu_worker.kernel_warmup(stand_in_worker())
+    info = kwarm_log.messages(0)
+    assert "kwarm: testfam: 2 of 2 steps to run (ok, boom)" in info
+    beats = [m for m in info if m.startswith("kwarm: testfam: still warming (step boom, ")]
+    assert 2 <= len(beats) <= 10, info
+    assert info.index("kwarm: testfam: 2 of 2 steps to run (ok, boom)") < info.index(beats[0])
+    n = len(beats)
+    time.sleep(0.2)
+    assert len([m for m in kwarm_log.messages(0) if "still warming" in m]) == n, "silent once the family is done"
