@@ -142,7 +142,7 @@ done
 unset KWARM_ENABLE KWARM_REPORT KWARM_WARMUPS KWARM_ENV
 
 if [ ! -f "$STAGED/vllm-$VER/env.sh" ]; then
-  echo "no staged vLLM $VER on this host ($STAGED/vllm-$VER/env.sh): see shared/gpu-kit/README.md"
+  echo "no staged vLLM $VER on this host ($STAGED/vllm-$VER/env.sh): stage it first (bench/README.md)"
   exit 1
 fi
 # shellcheck disable=SC1090

@@ -998,37 +998,6 @@ def test_main_sync_lock_orders_init_and_requests(tmp_path):
     assert "for %s" % lock in stdout
 
 
-def test_resplit_stage_recuts_the_payload_and_keeps_the_digest(tmp_path):
-    import hashlib
-
-    payload = bytes(range(256)) * 12_000  # about 3 MiB
-    digest = hashlib.sha256(payload).hexdigest()
-    receive = ('echo "vllm-0.24.0: $have of 2 chunks on this host"\n'
-               f'if [ "$have" -eq 2 ]; then\n  python3 "$here/host_setup.py" "$dest" {digest}\nfi\n')
-    staged = tmp_path / "staged"
-    half = len(payload) // 2
-    for i, part in enumerate((payload[:half], payload[half:])):
-        folder = staged / f"chunk{i:02d}"
-        folder.mkdir(parents=True)
-        (folder / f"part.{i:02d}").write_bytes(part)
-        (folder / "receive.sh").write_text(receive)
-        (folder / "host_setup.py").write_text("# host setup\n")
-    out = tmp_path / "small"
-    script = REPO / "bench" / "resplit_stage.py"
-    proc = subprocess.run([sys.executable, str(script), str(staged), str(out), "--mib", "1"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    chunks = sorted(out.glob("chunk*"))
-    assert len(chunks) == 3
-    assert b"".join((c / f"part.{i:02d}").read_bytes() for i, c in enumerate(chunks)) == payload
-    text = (chunks[2] / "receive.sh").read_text()
-    assert "of 3 chunks" in text and '-eq 3 ]' in text and digest in text
-
-    (staged / "chunk01" / "part.01").write_bytes(b"truncated")
-    proc = subprocess.run([sys.executable, str(script), str(staged), str(out)], capture_output=True, text=True)
-    assert proc.returncode != 0 and "do not match the digest" in proc.stderr
-
-
 def test_tensor_parallel_runs_read_every_ranks_report(tmp_path):
     import engine_bench
 
