@@ -66,30 +66,42 @@ def test_doctor_text_and_help():
 
 def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     """`kwarm doctor --json | jq .enabled` works: importing vLLM logs to stderr, not stdout."""
+    from kwarm_ext import doctor as doctor_module
+
     kwarm = Path(sys.executable).parent / "kwarm"
     proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
-                          env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""))
+                          env=clean_env(KWARM_ENABLE="banana", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0
     r = json.loads(proc.stdout)
-    assert r["enabled"] is True and r["gpu"]["available"] is False
-    assert r["families"]["runner"]["here"].startswith("no: no CUDA GPU is visible")
-    text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
-                          env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES="")).stdout
+    assert r["enabled"] is False and r["gpu"]["available"] is False
+    assert r["enable_text"] == "disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)"
+    assert r["families"]["runner"]["here"] == "no: kwarm is disabled (KWARM_ENABLE)"
+    text = doctor_module.render(r)
+    assert text.splitlines()[0].endswith("disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)")
     assert "GPU: none (no CUDA GPU is visible (torch.cuda.is_available() is False)): kwarm's warmups run on " \
            "CUDA GPUs only" in text
-    assert "runs here: no: no CUDA GPU is visible" in text
 
 
 @pytest.mark.parametrize("value, first", [
     ("banana", "disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)"),
     ("0", "disabled (KWARM_ENABLE='0')"),
     (None, "disabled (KWARM_ENABLE is not set)"),
+    ("yes", "enabled"),
 ])
 def test_doctor_first_line_says_what_kwarm_enable_is(value, first):
-    kwarm = Path(sys.executable).parent / "kwarm"
-    env = clean_env(CUDA_VISIBLE_DEVICES="")
-    env.pop("KWARM_ENABLE", None)
-    if value is not None:
-        env["KWARM_ENABLE"] = value
-    text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True, env=env).stdout
-    assert text.splitlines()[0].endswith(first), text.splitlines()[0]
+    from kwarm_ext import doctor as doctor_module
+
+    assert doctor_module.enabled_text(value, value == "yes") == first
+
+
+def test_doctor_says_per_family_whether_it_would_run_here():
+    from kwarm_ext import config, doctor as doctor_module
+
+    on = config.parse({"KWARM_ENABLE": "1", "KWARM_WARMUPS": "-runner"}, known_families=("runner", "qwen_gdn",
+                                                                                          "frontend"))
+    no_gpu = {"available": False, "why": "no CUDA GPU is visible"}
+    assert doctor_module._applies_here("runner", on, "0.24.0", no_gpu) == "no: disabled by KWARM_WARMUPS"
+    assert doctor_module._applies_here("qwen_gdn", on, "0.24.0", no_gpu) == "no: no CUDA GPU is visible"
+    assert doctor_module._applies_here("qwen_gdn", on, None, no_gpu) == "no: vllm is not installed"
+    assert doctor_module._applies_here("frontend", on, "0.24.0", no_gpu) == "in vLLM's front-end process"
+    assert doctor_module._applies_here("qwen_gdn", on, "0.24.0", {"available": True}).startswith("yes")
