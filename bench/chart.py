@@ -68,6 +68,10 @@ def latency_groups(runs: list[dict]) -> list[tuple[str, list[dict]]]:
 
 # --------------------------------------------------------------------------- drawing
 
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
 def nice_step(span: float, ticks: int = 5) -> float:
     """A round tick step (1, 2 or 5 times a power of ten) giving about `ticks` ticks."""
     raw = span / ticks if span > 0 else 1.0
@@ -231,7 +235,7 @@ def chart(runs: list[dict], requests: bool = True) -> str:
                   part=lambda run: run.get("kwarm_warmup_s") if run["kwarm"] == "on" else None,
                   fmt=table.fmt_s)
         bar_panel(svg, half, y0, half, BAR_ROW_H - 40, f"{model}: first-request excess", "excess ms", groups,
-                  value=lambda run: None if table.excess_s(run) is None else table.excess_s(run) * 1e3,
+                  value=lambda run: _ms(table.excess_s(run)),
                   fmt=lambda v: table.fmt_ms(v / 1e3))
         y0 += BAR_ROW_H
     for title, group in lines:

@@ -68,10 +68,15 @@ def pairs(run: dict) -> list[tuple[int, int]]:
     return [(r["repeat_of"], r["i"]) for r in run["requests"] if r.get("repeat_of") is not None]
 
 
+def request_pairs(run: dict) -> list[tuple[dict, dict]]:
+    """(first request, its repeat) for every pair whose first request was recorded."""
+    by_index = {r["i"]: r for r in run["requests"]}
+    return [(by_index[f], by_index[rep]) for f, rep in pairs(run) if f in by_index]
+
+
 def with_repeats(run: dict, first: int) -> list[tuple[dict, dict]]:
     """(request `first`, one of its repeats) for each repeat of it."""
-    by_index = {r["i"]: r for r in run["requests"]}
-    return [(by_index[f], by_index[rep]) for f, rep in pairs(run) if f == first]
+    return [(a, b) for a, b in request_pairs(run) if a["i"] == first]
 
 
 def pair_ratio(run: dict, first: int) -> float | None:
@@ -99,14 +104,8 @@ def first_steady_counters(run: dict) -> dict[str, float]:
 def excess_pairs(run: dict) -> list[dict]:
     """Each (first, repeat) pair with what the first request cost beyond its repeat:
     ``[{first, repeat, first_s, repeat_s, excess_s}]`` (excess may be negative: noise)."""
-    by_index = {r["i"]: r for r in run["requests"]}
-    out = []
-    for first, repeat in pairs(run):
-        if first in by_index:
-            a, b = by_index[first]["s"], by_index[repeat]["s"]
-            out.append({"first": first, "repeat": repeat, "first_s": a, "repeat_s": b,
-                        "excess_s": round(a - b, 4)})
-    return out
+    return [{"first": a["i"], "repeat": b["i"], "first_s": a["s"], "repeat_s": b["s"],
+             "excess_s": round(a["s"] - b["s"], 4)} for a, b in request_pairs(run)]
 
 
 def excess_s(run: dict) -> float | None:

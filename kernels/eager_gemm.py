@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 
 from kwarm_ext import budget, config
 from kwarm_ext.families import Step
@@ -121,7 +120,8 @@ class Target:
     first: int
     last: int
     calls: int  # GEMM problems per token count
-    prepare: object  # (buffers) -> warm(m): allocates the inputs (outside any capture)
+    prepare: object  # (buffers) -> warm(m): its inputs (outside any capture)
+    inputs: tuple | None = None  # (elements, dtype, device) it views from the pass's shared buffer
 
 
 def applies(view) -> str | None:
@@ -184,7 +184,9 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
             skips.append(Step(kind, KERNEL, skip="no token counts to warm"))
         else:
             targets += [Target(kind, f"{name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}",
-                               max(lo, 1), hi, 1, _linear(layer, bias, hi)) for name, layer, bias in layers]
+                               max(lo, 1), hi, 1, _linear(layer, bias),
+                               (hi * layer.weight.shape[1], layer.weight.dtype, layer.weight.device))
+                        for name, layer, bias in layers]
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
@@ -205,11 +207,11 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
 
 def learned_token_counts(view) -> list:
     """Token counts this deployment's earlier runs stepped at (learn-and-replay's manifest)."""
-    try:
-        from kwarm_ext import learn
+    from kwarm_ext import learn
 
+    try:
         return learn.learned_token_counts(view)
-    except Exception:  # no manifest, unreadable, or learning unavailable: nothing learned
+    except RuntimeError:  # no Triton target (no driver): no deployment manifest to read
         return []
 
 
@@ -278,7 +280,7 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
         import torch
 
         with torch.inference_mode():
-            buffers = {}  # one input buffer per dtype and device, shared by the linear targets
+            buffers = _shared_inputs(torch, [target for target, _ in work])
             calls = [(target, target.prepare(buffers)) for target, _ in work]
             order = _order([counts for _, counts in work], interleave=budgeted)
             try:
@@ -295,6 +297,19 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
             + [f"{warmed} GEMM problems {mode}" + (f", {left} left to the requests (KWARM_BUDGET)" if left else "")]
 
     return step
+
+
+def _shared_inputs(torch, targets: list) -> dict:
+    """One flat input buffer per dtype and device, as large as the largest input of the
+    pass's targets, which view it: zeros where the GEMMs run on the CPU, uninitialized on
+    CUDA (the values never matter: outputs are dropped)."""
+    need: dict = {}
+    for target in targets:
+        if target.inputs:
+            elements, dtype, device = target.inputs
+            need[(dtype, device)] = max(need.get((dtype, device), 0), elements)
+    return {(dtype, device): (torch.empty if device.type == "cuda" else torch.zeros)(n, dtype=dtype, device=device)
+            for (dtype, device), n in need.items()}
 
 
 def _order(counts: list, interleave: bool) -> list:
@@ -341,20 +356,13 @@ def _session(torch, device_type: str | None):
     torch.cuda.current_stream().wait_stream(stream)
 
 
-def _linear(layer, bias, rows: int):
-    """prepare(buffers): an input of up to `rows` rows, contiguous at every count like the
-    layer's real input, viewed from one flat buffer per dtype and device that all linear
-    targets of a pass share (grown as needed: zeros where the GEMMs run, uninitialized where
-    they are only captured); warm(m) calls the layer's own ``quant_method.apply``."""
+def _linear(layer, bias):
+    """prepare(buffers): the input at every count, contiguous like the layer's real input,
+    viewed from the pass's shared buffer of its dtype and device (:func:`_shared_inputs`);
+    warm(m) calls the layer's own ``quant_method.apply``."""
     def prepare(buffers):
-        import torch
-
         weight = layer.weight
-        size, key = rows * weight.shape[1], (weight.dtype, weight.device)
-        flat = buffers.get(key)
-        if flat is None or flat.numel() < size:
-            make = torch.empty if weight.device.type == "cuda" else torch.zeros
-            flat = buffers[key] = make(size, dtype=weight.dtype, device=weight.device)
+        flat = buffers[(weight.dtype, weight.device)]
 
         def warm(m):
             layer.quant_method.apply(layer, flat[:m * weight.shape[1]].view(m, weight.shape[1]), bias)
@@ -365,7 +373,7 @@ def _linear(layer, bias, rows: int):
 
 
 def _mla(layer, rows: int):
-    """prepare(): the query as the attention gets it, (B, N, nope + rope), and the latent
+    """prepare(buffers): the query as the attention gets it, (B, N, nope + rope), and the latent
     output; warm(m): the up-projection BMM into a head-major buffer and, where the layer pads
     no heads, a token-major one (0.33 writes there), and the layer's own ``_v_up_proj``."""
     def prepare(buffers):

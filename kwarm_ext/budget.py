@@ -22,7 +22,6 @@ import time
 
 FLOOR_S = 2.0
 _deadline: float | None = None  # time.monotonic() after which optional work stops
-_description = "unlimited"
 
 
 def process_age_s() -> float | None:
@@ -52,10 +51,10 @@ def seconds_for(spec: tuple, age_s: float | None) -> tuple[float | None, str]:
 
 def begin(spec: tuple) -> str:
     """Start this warmup's clock; returns the description for the summary line."""
-    global _deadline, _description
-    seconds, _description = seconds_for(spec, process_age_s())
+    global _deadline
+    seconds, description = seconds_for(spec, process_age_s())
     _deadline = None if seconds is None else time.monotonic() + seconds
-    return _description
+    return description
 
 
 def left() -> float:
@@ -63,11 +62,7 @@ def left() -> float:
     return float("inf") if _deadline is None else _deadline - time.monotonic()
 
 
-def describe() -> str:
-    return _description
-
-
 def reset() -> None:
     """No budget (tests; a process that never began a warmup)."""
-    global _deadline, _description
-    _deadline, _description = None, "unlimited"
+    global _deadline
+    _deadline = None

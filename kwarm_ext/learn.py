@@ -263,8 +263,7 @@ def record_steps(runner, recorder: Recorder) -> bool:
 def learned_token_counts(view) -> list:
     """The step sizes this deployment's manifest holds (empty without a usable one)."""
     stamp, path = deployment(view)
-    known = _known_manifest(path, stamp)
-    return list(known.token_counts)
+    return manifest.read_token_counts(path, stamp)
 
 
 def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:

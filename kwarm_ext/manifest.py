@@ -217,9 +217,8 @@ def printable(text, limit: int = 200) -> str:
     return out if len(out) <= limit else out[:limit] + "..."
 
 
-def parse(text: str) -> Manifest:
-    """A manifest from JSON text. Raises :class:`BadManifest` when the file as a whole is
-    unusable; a malformed entry is dropped into ``problems`` as (label, reason)."""
+def _document(text: str) -> dict:
+    """The manifest's JSON object, its format and version checked; raises :class:`BadManifest`."""
     try:
         data = json.loads(text)
     except RecursionError:
@@ -230,6 +229,13 @@ def parse(text: str) -> Manifest:
         raise BadManifest("not a kwarm manifest (no \"format\": \"kwarm-manifest\")")
     if data.get("version") != FORMAT_VERSION:
         raise BadManifest(f"manifest format version {data.get('version')!r}; this kwarm reads {FORMAT_VERSION}")
+    return data
+
+
+def parse(text: str) -> Manifest:
+    """A manifest from JSON text. Raises :class:`BadManifest` when the file as a whole is
+    unusable; a malformed entry is dropped into ``problems`` as (label, reason)."""
+    data = _document(text)
     manifest = Manifest(_stamp(data.get("stamp")))
     for field, build in (("entries", _entry), ("autotune", _choice)):
         items = data.get(field, [])
@@ -278,17 +284,23 @@ def _entry(raw) -> Entry:
     options = raw.get("launch_options")
     if not isinstance(options, dict) or not all(isinstance(k, str) and _option_value(v) for k, v in options.items()):
         raise TypeError("launch_options is not an object of JSON scalars")
-    from kwarm_ext.triton_compat import key_specialization, launch_options
+    from kwarm_ext.triton_compat import read_key
 
-    if json.loads(json.dumps(launch_options(key))) != options:
+    specialization, key_options = read_key(key)
+    if json.loads(json.dumps(key_options)) != options:
         raise ValueError("launch_options disagree with the key")
     refused = disallowed_options(options)
     if refused:
         raise ValueError("; ".join(refused))
     spec = _spec(raw.get("spec"), f"{module}.{qualname}")
     _check_key_matches_signature(key, spec["signature"])
-    _check_constants_match_key(key_specialization(key), spec)
+    _check_constants_match_key(specialization, spec)
     return Entry(module, qualname, _str(raw, "source_key", limit=256), key, options, spec)
+
+
+def _kind(value) -> type:
+    """bool, int (an IntEnum member too), or the value's own type: 1, True and 1.0 differ in a key."""
+    return bool if type(value) is bool else int if isinstance(value, int) else type(value)
 
 
 def _check_constants_match_key(specialization, spec: dict) -> None:
@@ -313,8 +325,7 @@ def _same_constant(encoded, in_key) -> bool:
     compared exactly; objects the key prints by identity (jitted functions, torch dtypes,
     tuples) only need a value there."""
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
-        return type(encoded) is type(in_key) and encoded == in_key or (
-            type(encoded) is int and type(in_key) is not bool and isinstance(in_key, int) and encoded == in_key)
+        return encoded == in_key and _kind(encoded) is _kind(in_key)
     if isinstance(encoded, dict) and set(encoded) == {"tl_dtype"}:
         return str(in_key) == encoded["tl_dtype"]
     if isinstance(encoded, dict) and set(encoded) == {"constexpr"}:
@@ -499,6 +510,19 @@ def load(path: str) -> Manifest:
     return parse(read_trusted(path))
 
 
+def read_token_counts(path: str, stamp: Stamp) -> list:
+    """The learned step sizes of the manifest at `path` if it serves `stamp`, else []: the
+    same trust checks as :func:`load`, without validating every entry a second time at
+    engine start (replay does that)."""
+    try:
+        data = _document(read_trusted(path))
+        if _stamp(data.get("stamp")).incompatibility(stamp):
+            return []
+    except (FileNotFoundError, BadManifest):
+        return []
+    return _token_counts(data.get("token_counts", []), [])
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
     path: str
@@ -515,9 +539,7 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> S
     existing file that is unreadable, untrusted or stamped for another Triton/GPU is
     replaced (and said so in ``note``), never merged."""
     directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise BadManifest(f"{printable(path)} is a directory; give a file path")
-    check_writable_target(path)
+    check_writable_target(path)  # before the lock: no <dir>.lock beside a directory
     os.makedirs(directory, mode=0o700, exist_ok=True)
     with _locked(path + ".lock"):
         check_writable_target(path)
@@ -563,9 +585,9 @@ class LockTimeout(BadManifest):
 
 
 @contextlib.contextmanager
-def _locked(lock_path: str, timeout: float | None = None):
+def _locked(lock_path: str):
     """An exclusive ``flock`` on `lock_path`, a regular file of this user's opened without
-    following a symlink; waits at most `timeout` seconds (LOCK_TIMEOUT_S), then raises
+    following a symlink; waits at most LOCK_TIMEOUT_S seconds, then raises
     :class:`LockTimeout`: a stopped or hostile holder never blocks a save, or an exit, for good."""
     import fcntl
 
@@ -578,7 +600,7 @@ def _locked(lock_path: str, timeout: float | None = None):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise BadManifest(f"refused the lock {printable(lock_path)}: not a regular file of this user")
-        deadline = time.monotonic() + (LOCK_TIMEOUT_S if timeout is None else timeout)
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -586,7 +608,7 @@ def _locked(lock_path: str, timeout: float | None = None):
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise LockTimeout(f"the lock {printable(lock_path)} was held by another process for over "
-                                      f"{LOCK_TIMEOUT_S if timeout is None else timeout:g} s; not saved") from None
+                                      f"{LOCK_TIMEOUT_S:g} s; not saved") from None
                 time.sleep(0.05)
         yield
     finally:

@@ -266,12 +266,13 @@ def _key_splits(key: str):
 _MAX_SPLITS = 3  # Triton's options dict holds no "]{"; a few tries cover a value that does
 
 
-def key_specialization(key: str) -> list | None:
-    """The specialization list at the start of an in-memory key (one element per argument:
-    ``(type, attribute)``, ``("constexpr", value)``), or None where it cannot be read."""
-    for spec_text, _, _ in _key_splits(key):
-        return _read_specialization(spec_text)
-    return None
+def read_key(key: str) -> tuple[list | None, dict]:
+    """(specialization, launch options) of an in-memory key, read once: the list at its start
+    (one element per argument: ``(type, attribute)``, ``("constexpr", value)``; None where it
+    cannot be read) and the options dict at its end (ValueError where there is none)."""
+    for spec_text, _, options in _key_splits(key):
+        return _read_specialization(spec_text), options
+    raise ValueError("the key does not end with a readable options dict")
 
 
 def encode_constant(value):
