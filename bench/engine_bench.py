@@ -193,6 +193,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=parse_indices, default=[], metavar="I,J,...",
                    help="run these requests (indices) under cProfile: top functions in the result, "
                         "raw stats in <out stem>.req<i>.prof; their wall time includes the profiler's overhead")
+    p.add_argument("--cuda-profile", type=parse_indices, default=[], metavar="I,J,...",
+                   help="run these requests under torch.profiler (CPU and CUDA): the CUDA runtime and "
+                        "driver calls that took longest (graph launches, module loads, cudaMalloc) and "
+                        "the GPU kernel time go into the result; their wall time includes the overhead")
     p.add_argument("--sync-lock", default=None, metavar="FILE",
                    help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
                         "requests, so that engines sharing a GPU never measure while another one "
@@ -693,6 +697,37 @@ def profiling(profiler: cProfile.Profile | None):
         profiler.disable()
 
 
+CUDA_API_ROWS = 12
+
+
+@contextlib.contextmanager
+def cuda_profiling(enabled: bool, into: dict):
+    """torch.profiler over the block when `enabled`; `into` then gets ``cuda_profile``: the
+    CUDA runtime/driver calls with the most host time (``cudaGraphLaunch`` pays a graph's
+    upload on its first launch, ``cuModuleLoad*``/``cuLibraryLoad*`` a lazily loaded kernel,
+    ``cudaMalloc`` a new allocator segment) and the GPU kernels' total time."""
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    into["cuda_profile"] = cuda_profile_summary(prof.key_averages())
+
+
+def cuda_profile_summary(averages) -> dict:
+    """The ``cuda_profile`` entry from torch.profiler's ``key_averages()``."""
+    api = [e for e in averages if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudaDeviceSynchronize")]
+    api.sort(key=lambda e: -e.self_cpu_time_total)
+    kernels = [e for e in averages if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    return {"api": [{"name": e.key, "count": e.count, "host_ms": round(e.self_cpu_time_total / 1000, 3)}
+                    for e in api[:CUDA_API_ROWS]],
+            "gpu_kernels": sum(e.count for e in kernels),
+            "gpu_ms": round(sum(e.self_device_time_total for e in kernels) / 1000, 3)}
+
+
 def save_profile(profiler: cProfile.Profile, prof_file: Path) -> dict:
     """Dump the raw stats to `prof_file`; return the request's ``profile`` entry."""
     stats = pstats.Stats(profiler)
@@ -757,9 +792,9 @@ def main(argv=None) -> int:
     model_path = resolve_model(args.model)
     cfg = json.loads((model_path / "config.json").read_text())
     scenario = build_scenario(args.scenario)
-    bad = [i for i in args.profile if i >= len(scenario)]
+    bad = [i for i in args.profile + args.cuda_profile if i >= len(scenario)]
     if bad:
-        raise SystemExit(f"engine_bench: --profile {bad}: scenario {args.scenario!r} has "
+        raise SystemExit(f"engine_bench: --profile/--cuda-profile {bad}: scenario {args.scenario!r} has "
                          f"{len(scenario)} requests (0..{len(scenario) - 1})")
     kwargs = engine_kwargs(args, model_path, cfg)
     lock = EngineLock(args.sync_lock)
@@ -877,8 +912,9 @@ def main(argv=None) -> int:
             alloc0 = allocator_counts()
             cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
-            with profiling(profiler):  # "s" then includes the profiler's overhead: flagged "profiled"
-                extra = run_request(llm, req, i)
+            traced: dict = {}
+            with profiling(profiler), cuda_profiling(i in args.cuda_profile, traced):
+                extra = run_request(llm, req, i)  # "s" then includes the profiler's overhead: flagged "profiled"
             s = time.perf_counter() - t
             gc_passes = gc_timer.since(gc0)
             host_delta = host.since(host0)
@@ -895,9 +931,16 @@ def main(argv=None) -> int:
                              "alloc": alloc, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)
+            if traced:
+                requests[-1].update(profiled=True, **traced)
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
                   f"{sorted({e['name'] for e in events})}, gc passes {gc_passes['passes']} "
                   f"{sum(gc_passes['ms']):.2f} ms, host {host_delta}, allocators {alloc}", flush=True)
+            if traced:
+                cp = traced["cuda_profile"]
+                print(f"  cuda profile: {cp['gpu_kernels']} kernels, {cp['gpu_ms']:.2f} ms GPU; host: "
+                      + ", ".join(f"{a['name']} x{a['count']} {a['host_ms']:.2f} ms" for a in cp["api"][:6]),
+                      flush=True)
             if profile is not None:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
