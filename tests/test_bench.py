@@ -950,7 +950,7 @@ def test_main_profiles_requests(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--profile", "12",
                           "--out", str(out)], env=fake_engine_env(tmp_path / "x"), capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode != 0 and "--profile [12]" in bad.stderr
+    assert bad.returncode != 0 and "--profile/--cuda-profile [12]" in bad.stderr
 
 
 def _wait_for(path: Path, line: str, proc, timeout: float = 60):
