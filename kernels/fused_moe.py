@@ -33,9 +33,17 @@ How:
        and num_valid_tokens move with slope top_k, so their integer classes repeat every
        ``16 / gcd(top_k, 16)`` tokens: the first that many M of a region reach every key
        production can reach in it.
-    3. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
+    3. Compile ahead: the same dummy runs once with ``fused_moe_kernel``'s launches turned
+       into compiles on a thread pool (``triton_compat.launches_compile_only`` inside
+       ``parallel_compiles``, one thread per core of this rank): vLLM's own code computes
+       every launch's arguments, Triton compiles all the specializations at once instead of
+       one per dummy run. Those runs' MoE outputs are never written; they are discarded.
+       On empty caches this is most of the family's cost (35 compiles: 18 s one by one on
+       Qwen3-Next-80B dimensions, BENCHMARKS.md). Skipped under Triton's interpreter.
+    4. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
        forward over dummy tokens, so the kernel gets production's arguments exactly (and any
-       other kernel that specializes on the eager token count comes along).
+       other kernel that specializes on the eager token count comes along); every
+       ``fused_moe_kernel`` specialization is now compiled, so these runs only launch.
 
     Eager M: 1..max_num_batched_tokens when mixed batches run without CUDA graphs
     (``enforce_eager``, ``cudagraph_mode`` NONE or FULL_DECODE_ONLY); else from the largest
@@ -60,6 +68,7 @@ import logging
 import math
 import sys
 
+from kwarm_ext import config, triton_compat
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
@@ -69,6 +78,7 @@ logger = logging.getLogger("kwarm")
 NAME = "fused_moe"
 KERNEL = "fused_moe_kernel"
 _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe_config"
+_KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
 _MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
 
 # What a MoE layer registers in the forward context: the FusedMoE module (0.20-0.23), its
@@ -102,7 +112,8 @@ def plan(view, forced) -> list:
     first, last = eager_range(view)
     if first > last:
         return [Step("eager_sizes", KERNEL, skip=f"no eager token counts ({first}..{last})")]
-    return [Step("eager_sizes", KERNEL, run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last))]
+    threads = triton_compat.compile_threads(view.tp_size)
+    return [Step("eager_sizes", KERNEL, run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads))]
 
 
 def details() -> dict:
@@ -212,7 +223,33 @@ def representatives(spans, step: int) -> list:
 
 # ---------------------------------------------------------------------------- warm
 
-def warm_eager_sizes(config_fn, dummy_run, first: int, last: int) -> list:
+def compile_ahead(dummy_run, sizes, threads: int) -> str:
+    """Step 3 of the module docstring: the summary's words for what happened."""
+    import time
+
+    if not sizes:
+        return "nothing to compile ahead"
+    try:
+        jit = triton_compat.resolve(_KERNEL_MODULE, KERNEL).jit
+    except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests), or moved
+        return f"no compile ahead ({exc})"
+    t0 = time.perf_counter()
+    try:
+        with triton_compat.parallel_compiles(threads) as parallel:
+            if not parallel:
+                return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
+            with triton_compat.launches_compile_only(jit):
+                for m in sizes:
+                    dummy_run(m)
+    except Exception as exc:  # an optimization only: the warm runs below compile one by one
+        logger.warning("kwarm: fused_moe: compile ahead failed, compiling one token count at a time: %r", exc)
+        if config.get().strict:
+            raise
+        return f"compile ahead failed ({type(exc).__name__})"
+    return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
+
+
+def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1) -> list:
     import torch
 
     with torch.inference_mode():
@@ -226,12 +263,13 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int) -> list:
         step = max(period(c.top_k) for c in calls)
         spans = regions(config_fn, calls, first, last)
         sizes = representatives(spans, step)
+        ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads)
         for m in sizes:
             if m != first:
                 dummy_run(m)
     _details.update(
         summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
-                 f"(M {first}..{last}, every {step} per region)"),
+                 f"(M {first}..{last}, every {step} per region); {ahead}"),
         regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans],
         token_counts=sizes, config_calls=len(calls))
     return [f"M={lo}..{hi}: {', '.join(str(m) for m in sizes if lo <= m <= hi)}" for lo, hi, _ in spans]

@@ -77,10 +77,6 @@ FAMILIES = {
                "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
                "allocated and freed, so that the first request's allocations find whole free blocks",
                after_capture=True),
-        Family("cuda_graphs", "kwarm_ext.kernels.cuda_graphs",
-               "the CUDA graphs vLLM captured, after capture: each uploaded to the device with "
-               "cuGraphUpload, so that a batch size's first replay does not pay the upload",
-               after_capture=True),
         Family("frontend", "kwarm_ext.frontend",
                "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
                "is built, not on the first request"),

@@ -111,7 +111,7 @@ def plan(view, forced) -> list:
     global _last
     stamp, path = learn.deployment(view)
     state = prepare(path, stamp, config.get().allowed_modules)
-    state.threads = compile_threads(view.tp_size)
+    state.threads = triton_compat.compile_threads(view.tp_size)
     _last = state
     gpu_skip = NO_GPU if not triton_compat.has_gpu_driver() else None
     none = state.refused and f"manifest not used: {state.refused}"
@@ -124,16 +124,6 @@ def plan(view, forced) -> list:
 def details() -> dict:
     """The last replay's outcome, for the summary line and the JSON report."""
     return _last.details() if _last is not None else {}
-
-
-def compile_threads(tp_size) -> int:
-    """This rank's share of the cores: each compile thread can start its own MLIR pool, and the
-    TP ranks of one host replay at the same time."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, tp_size or 1))
 
 
 # ---------------------------------------------------------------------------- planning

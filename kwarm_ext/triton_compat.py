@@ -455,6 +455,42 @@ def _decode_plain(encoded, resolve_function):
     return _decode_object(encoded, resolve_function)
 
 
+def compile_threads(tp_size) -> int:
+    """This rank's share of the cores: each compile thread can start its own MLIR pool, and the
+    TP ranks of one host compile at the same time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, tp_size or 1))
+
+
+@contextlib.contextmanager
+def launches_compile_only(jit):
+    """Inside the block, launches of `jit` (``kernel[grid](...)``) compile without running:
+    Triton's own ``run(..., warmup=True)``, what ``JITFunction.warmup`` calls. Inside
+    :func:`parallel_compiles` each such compile goes to the pool and the caller moves on, so a
+    loop of vLLM calls that each meet a new specialization compiles them all at once.
+
+    Why this patch exists: vLLM computes a kernel's launch arguments (tile config, padded
+    sizes) deep in its own Python code; letting that code run and turning only the launch
+    into a compile is how the arguments stay production's. An instance attribute ``run``
+    shadows the class method for this one JITFunction and is removed on leaving. Needed
+    with every Triton kwarm supports (3.4-3.7); it can go when Triton compiles from a
+    launch's arguments asynchronously by itself. The kernel's outputs are not written, so
+    only use it around calls whose results are discarded."""
+    original = jit.run
+
+    def run(*args, grid=None, warmup=False, **kwargs):
+        return original(*args, grid=grid, warmup=True, **kwargs)
+
+    jit.run = run
+    try:
+        yield
+    finally:
+        vars(jit).pop("run", None)
+
+
 @contextlib.contextmanager
 def parallel_compiles(threads: int):
     """Make the block's ``preload``/``warmup`` calls compile on a thread pool.

@@ -1,0 +1,93 @@
+"""Compile ahead (``fused_moe`` step 3): launches of one kernel become compiles on Triton's
+AsyncCompileMode pool while vLLM's own code computes their arguments.
+
+On CPU, Triton's ``@triton.jit`` is its interpreter, which has no compile to defer, so the
+kernel is stood in for by a subclass of Triton's real ``KernelInterface`` (whose
+``kernel[grid](...)`` is what vLLM calls) with a recording ``run``; Triton's real
+``AsyncCompileMode`` and kwarm's real ``parallel_compiles`` run. What it saves on a GPU is in
+BENCHMARKS.md (the family's seconds on empty caches)."""
+from __future__ import annotations
+
+import pytest
+from triton.runtime.jit import KernelInterface
+
+from kwarm_ext import triton_compat
+from kwarm_ext.kernels import fused_moe
+
+
+class Kernel(KernelInterface):
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        from triton.runtime import _async_compile
+
+        self.calls.append((args, grid, warmup, _async_compile.active_mode.get() is not None))
+        return "compiled" if warmup else "launched"
+
+
+def test_launches_compile_only_turns_launches_into_compiles_for_one_kernel():
+    kernel, other = Kernel(), Kernel()
+    with triton_compat.launches_compile_only(kernel):
+        assert kernel[(4,)](1, 2) == "compiled"
+        assert other[(4,)](1, 2) == "launched", "other kernels launch as usual"
+    assert kernel[(4,)](3) == "launched", "restored on leaving"
+    assert kernel.calls == [((1, 2), (4,), True, False), ((3,), (4,), False, False)]
+    assert "run" not in vars(kernel)
+
+
+def test_launches_compile_only_restores_after_an_exception():
+    kernel = Kernel()
+    with pytest.raises(RuntimeError):
+        with triton_compat.launches_compile_only(kernel):
+            raise RuntimeError("dummy run failed")
+    assert kernel[(1,)]() == "launched"
+
+
+@pytest.fixture
+def moe_kernel(monkeypatch):
+    kernel = Kernel()
+    resolved = triton_compat.ResolvedKernel(fused_moe._KERNEL_MODULE, fused_moe.KERNEL, kernel, kernel)
+    monkeypatch.setattr(triton_compat, "resolve", lambda module, qualname: resolved)
+    return kernel
+
+
+def test_compile_ahead_runs_every_size_on_the_pool_without_launching(moe_kernel):
+    seen = []
+
+    def dummy_run(m):  # what vLLM's fused-MoE layer does with the token count
+        seen.append(m)
+        moe_kernel[(m,)](m)
+
+    text = fused_moe.compile_ahead(dummy_run, [40, 48, 513], threads=4)
+    assert text.startswith("compiled ahead on 4 threads in ")
+    assert seen == [40, 48, 513]
+    assert moe_kernel.calls == [((m,), (m,), True, True) for m in (40, 48, 513)], \
+        "compile-only launches, inside AsyncCompileMode"
+
+
+def test_compile_ahead_without_a_pool_or_kernel_says_why(moe_kernel, monkeypatch):
+    assert fused_moe.compile_ahead(lambda m: None, [40], threads=1).startswith("no compile ahead (one thread")
+    assert fused_moe.compile_ahead(lambda m: None, [], threads=4) == "nothing to compile ahead"
+
+    def unresolvable(module, qualname):
+        raise triton_compat.Unresolvable("interpreted")
+
+    monkeypatch.setattr(triton_compat, "resolve", unresolvable)
+    assert fused_moe.compile_ahead(lambda m: None, [40], threads=4) == "no compile ahead (interpreted)"
+    assert moe_kernel.calls == []
+
+
+def test_a_failing_compile_ahead_is_one_warning_then_strict_raises(moe_kernel, kwarm_env, kwarm_log):
+    def dummy_run(m):
+        raise ValueError("shape")
+
+    kwarm_env()
+    assert fused_moe.compile_ahead(dummy_run, [40], threads=4) == "compile ahead failed (ValueError)"
+    warnings = kwarm_log.messages()
+    assert len(warnings) == 1 and warnings[0].startswith("kwarm: fused_moe: compile ahead failed"), warnings
+    assert "run" not in vars(moe_kernel)
+
+    kwarm_env(KWARM_STRICT="1")
+    with pytest.raises(ValueError):
+        fused_moe.compile_ahead(dummy_run, [40], threads=4)
