@@ -890,6 +890,9 @@ def main(argv=None) -> int:
           f"kwarm warmup {result['kwarm_warmup_s']} s"
           + "".join(f", {name} {sec:.2f}" for name, sec in result["kwarm_family_s"].items()), flush=True)
 
+    if args.cuda_profile:  # the profiler's own first use (CUPTI start-up) is not a request's
+        with cuda_profiling(True, {}):
+            torch.cuda.synchronize()
     counter = JitCounter().install()  # on top of vLLM's monitor, which it chains
     gc_timer = GcTimer()
     host = HostCounters()

@@ -123,6 +123,7 @@ import os
 
 from kwarm_ext import vllm_compat
 from kwarm_ext.families import Step
+from kwarm_ext.kernels.attention_groups import block_table, groups_of as _groups, metadata_builder as _builder
 from kwarm_ext.kernels.runner import runner_models
 from kwarm_ext.triton_compat import int_class
 from kwarm_ext.vllm_compat import Missing
@@ -219,28 +220,6 @@ CHUNK_CASES = tuple(ChunkCase(s, e, a) for a in (True, False) for s, e in QUERY_
 
 # -- the live engine -----------------------------------------------------------------------
 
-def _groups(view, backend: str) -> list:
-    """The runner's AttentionGroups whose backend is `backend`."""
-    out = []
-    for per_group in getattr(view.runner, "attn_groups", None) or ():
-        for group in per_group:
-            try:
-                name = group.backend.get_name()
-            except Exception:  # get_name may raise NotImplementedError
-                continue
-            if name == backend:
-                out.append(group)
-    return out
-
-
-def _builder(group):
-    builders = getattr(group, "metadata_builders", None)
-    if builders:
-        return builders[0]
-    get = getattr(group, "get_metadata_builder", None)
-    return get() if get is not None else None
-
-
 def _vllm_config(view):
     return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)
 
@@ -252,19 +231,6 @@ def _device(view):
     if device is None:
         raise Missing("runner has no device")
     return torch.device(device)
-
-
-def block_table(view, group_id: int, num_reqs: int):
-    """Rows of the runner's real block table of KV-cache group `group_id` (what
-    ``CommonAttentionMetadata.block_table_tensor`` is a slice of)."""
-    runner = view.runner
-    tables = getattr(getattr(runner, "input_batch", None), "block_table", None)
-    if tables is not None:  # V1: MultiGroupBlockTable
-        return tables[group_id].get_device_tensor(num_reqs)
-    v2 = getattr(getattr(runner, "block_tables", None), "input_block_tables", None)
-    if v2 is not None:  # V2 (v1/worker/gpu/block_table.py)
-        return v2[group_id][:num_reqs]
-    raise Missing("runner has neither input_batch.block_table (V1) nor block_tables (V2)")
 
 
 def _jit_warmup_enabled(view) -> bool:

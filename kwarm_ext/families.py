@@ -63,6 +63,10 @@ FAMILIES = {
                "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm"),
         Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
                "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits"),
+        Family("triton_attn", "kwarm_ext.kernels.triton_attn",
+               "TRITON_ATTN attention: kernel_unified_attention (2D and 3D) and reduce_segments at "
+               "every batch class vLLM's selection code reaches, through its metadata builder and "
+               "the layer's own forward; compiled ahead on a thread pool"),
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs"),

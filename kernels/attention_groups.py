@@ -1,0 +1,95 @@
+"""The model runner's attention groups, as the attention families read them: a backend's
+groups, a group's metadata builder and layers, the rows of its real block table, and a
+``CommonAttentionMetadata`` for a dummy batch that vLLM's own builders turn into metadata.
+
+Not a family (no ``applies``/``plan``): shared by ``dsa_indexer`` and ``triton_attn``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kwarm_ext.vllm_compat import Missing, resolve
+
+
+def groups_of(view, backend: str) -> list:
+    """The runner's AttentionGroups whose backend is `backend` (``get_name()``)."""
+    out = []
+    for per_group in getattr(view.runner, "attn_groups", None) or ():
+        for group in per_group:
+            try:
+                name = group.backend.get_name()
+            except Exception:  # get_name may raise NotImplementedError
+                continue
+            if name == backend:
+                out.append(group)
+    return out
+
+
+def metadata_builder(group):
+    """The group's first metadata builder (``metadata_builders[0]``, or ``get_metadata_builder()``)."""
+    builders = getattr(group, "metadata_builders", None)
+    if builders:
+        return builders[0]
+    get = getattr(group, "get_metadata_builder", None)
+    return get() if get is not None else None
+
+
+def block_table(view, group_id: int, num_reqs: int):
+    """Rows of the runner's real block table of KV-cache group `group_id` (what
+    ``CommonAttentionMetadata.block_table_tensor`` is a slice of)."""
+    runner = view.runner
+    tables = getattr(getattr(runner, "input_batch", None), "block_table", None)
+    if tables is not None:  # V1: MultiGroupBlockTable
+        return tables[group_id].get_device_tensor(num_reqs)
+    v2 = getattr(getattr(runner, "block_tables", None), "input_block_tables", None)
+    if v2 is not None:  # V2 (v1/worker/gpu/block_table.py)
+        return v2[group_id][:num_reqs]
+    raise Missing("runner has neither input_batch.block_table (V1) nor block_tables (V2)")
+
+
+def bound_kv_cache(layer):
+    """The KV cache bound to `layer`: a tensor (0.24+) or the first virtual engine's."""
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    if kv is None or not hasattr(kv, "shape") or kv.numel() == 0:
+        raise Missing(f"layer {getattr(layer, 'layer_name', '?')} has no bound kv_cache")
+    return kv
+
+
+def common_metadata(table, query_lens: list, seq_lens: list, device):
+    """vLLM's ``CommonAttentionMetadata`` for a batch of ``len(query_lens)`` requests whose
+    block-table rows are `table` and whose new-token slots are all -1 (padding: no KV write).
+
+    Built from the dataclass's own fields, so a release that adds an optional field leaves
+    it at its default; a required field kwarm does not know is a :class:`Missing`."""
+    import torch
+
+    cls = resolve("vllm.v1.attention.backend:CommonAttentionMetadata",
+                  "vllm.v1.attention.backends.utils:CommonAttentionMetadata")
+    n, tokens = len(query_lens), sum(query_lens)
+    starts = torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32)
+    seqs = torch.tensor(seq_lens, dtype=torch.int32)
+    computed = seqs - torch.tensor(query_lens, dtype=torch.int32)
+    values = {
+        "query_start_loc": starts.to(device), "query_start_loc_cpu": starts,
+        "seq_lens": seqs.to(device), "seq_lens_cpu": seqs, "_seq_lens_cpu": seqs,
+        "num_computed_tokens_cpu": computed, "_num_computed_tokens_cpu": computed,
+        "num_reqs": n, "num_actual_tokens": tokens, "max_query_len": max(query_lens),
+        "max_seq_len": max(seq_lens), "block_table_tensor": table[:n],
+        "slot_mapping": torch.full((tokens,), -1, dtype=torch.int64, device=device), "causal": True,
+    }
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name in values and field.init:
+            kwargs[field.name] = values[field.name]
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise Missing(f"CommonAttentionMetadata needs {field.name}, which kwarm does not fill")
+    return cls(**kwargs)
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
