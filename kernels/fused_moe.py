@@ -39,7 +39,10 @@ How:
        every launch's arguments, Triton compiles all the specializations at once instead of
        one per dummy run. Those runs' MoE outputs are never written; they are discarded.
        On empty caches this is most of the family's cost (35 compiles: 18 s one by one on
-       Qwen3-Next-80B dimensions, BENCHMARKS.md). Skipped under Triton's interpreter.
+       Qwen3-Next-80B dimensions, 5.6 s with this step, BENCHMARKS.md). Skipped under
+       Triton's interpreter, and when the probe ran faster than ``COLD_PROBE_S`` (its
+       compiles were loads from Triton's cache, so the dummy runs would run twice for
+       nothing: 1.4 s of a 2.3 s family on a warm restart).
     4. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
        forward over dummy tokens, so the kernel gets production's arguments exactly (and any
        other kernel that specializes on the eager token count comes along); every
@@ -67,6 +70,7 @@ import dataclasses
 import logging
 import math
 import sys
+import time
 
 from kwarm_ext import config, triton_compat
 from kwarm_ext.families import Step
@@ -79,6 +83,11 @@ NAME = "fused_moe"
 KERNEL = "fused_moe_kernel"
 _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe_config"
 _KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
+# The probe's dummy run meets the kernel's first two specializations: on empty caches two
+# compiles of about 0.5 s each (35 took 18 s one by one on Qwen3-Next-80B dimensions, H200,
+# vLLM 0.24.0), on a warm restart two loads from Triton's cache. Below this, the compiles were
+# loads, and compiling ahead would only run the dummy runs twice (the summary gives the probe's time).
+COLD_PROBE_S = 0.3
 _MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
 
 # What a MoE layer registers in the forward context: the FusedMoE module (0.20-0.23), its
@@ -225,8 +234,6 @@ def representatives(spans, step: int) -> list:
 
 def compile_ahead(dummy_run, sizes, threads: int) -> str:
     """Step 3 of the module docstring: the summary's words for what happened."""
-    import time
-
     if not sizes:
         return "nothing to compile ahead"
     try:
@@ -253,8 +260,10 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
     import torch
 
     with torch.inference_mode():
+        t0 = time.perf_counter()
         with observed_config_calls(config_fn) as seen:
             dummy_run(first)
+        probe_s = time.perf_counter() - t0
         if not seen:
             _details["summary"] = (f"probe M={first}: no Triton fused-MoE config requested "
                                    "(the experts run on another backend)")
@@ -263,13 +272,16 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         step = max(period(c.top_k) for c in calls)
         spans = regions(config_fn, calls, first, last)
         sizes = representatives(spans, step)
-        ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads)
+        if probe_s >= COLD_PROBE_S:
+            ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" (probe {probe_s:.2f} s)"
+        else:  # its compiles were loads from Triton's cache: a second pass would only cost
+            ahead = f"no compile ahead (the probe took {probe_s:.2f} s: Triton's cache is warm)"
         for m in sizes:
             if m != first:
                 dummy_run(m)
     _details.update(
         summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
                  f"(M {first}..{last}, every {step} per region); {ahead}"),
-        regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans],
+        regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans], probe_s=round(probe_s, 3),
         token_counts=sizes, config_calls=len(calls))
     return [f"M={lo}..{hi}: {', '.join(str(m) for m in sizes if lo <= m <= hi)}" for lo, hi, _ in spans]
