@@ -108,7 +108,7 @@ def enabled_text(raw: str | None, enabled: bool) -> str:
 def collect() -> dict:
     from kwarm_ext import __version__, activation, config
     from kwarm_ext.families import FAMILIES
-    from kwarm_ext.upstream import UPSTREAM_WARMUPS, detect
+    from kwarm_ext.upstream import ATTENTION_BACKENDS, UPSTREAM_WARMUPS, detect
 
     settings = config.parse()
     vllm = _version("vllm")
@@ -126,6 +126,7 @@ def collect() -> dict:
         "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced,
                          "here": _applies_here(n, settings, vllm, here)} for n, f in FAMILIES.items()},
+        "attention_backends": {n: {"runs": runs, "warmed_by": by} for n, (runs, by) in ATTENTION_BACKENDS.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),
     }
@@ -183,6 +184,9 @@ def render(r: dict) -> str:
             lines.append(f"  {name:26s} {'present' if u['present'] else 'absent ':8s} {u['covers']} [{u['releases']}]")
         else:
             lines.append(f"  {name}: {u}")
+    lines += ["", "attention backends (what a request runs, and what warms it):"]
+    for name, b in r.get("attention_backends", {}).items():
+        lines.append(f"  {name:21s} {b['runs']}: {b['warmed_by']}")
     lines += ["", "families:"]
     width = max(map(len, r["families"]), default=0)
     for name, f in r["families"].items():

@@ -32,6 +32,21 @@ UPSTREAM_WARMUPS = {
 }
 
 
+# vLLM attention backend name -> (what runs at request time, who warms it). What `kwarm doctor`
+# says per backend; the families' docstrings hold the evidence.
+ATTENTION_BACKENDS = {
+    "FLASH_ATTN": ("precompiled CUDA kernels (vllm-flash-attn)", "nothing compiles at run time: nothing to warm"),
+    "FLASHMLA": ("precompiled CUDA kernels (FlashMLA)", "nothing compiles at run time: nothing to warm"),
+    "FLASHMLA_SPARSE": ("precompiled CUDA kernels (FlashMLA); its index conversion is Triton",
+                        "the Triton part: dsa_indexer"),
+    "TRITON_ATTN": ("Triton: kernel_unified_attention (2D/3D), reduce_segments", "triton_attn"),
+    "TRITON_MLA": ("Triton: MLA decode kernels", "not warmed by a family yet; a learned manifest replays them"),
+    "FLASHINFER": ("FlashInfer's own precompiled or JIT modules", "vLLM's kernel_warmup (FlashInfer dummy runs)"),
+    "GDN_ATTN": ("Triton: FLA gated delta-net kernels", "qwen_gdn"),
+    "DEEPSEEK_V32_INDEXER": ("Triton and DeepGEMM (JIT)", "dsa_indexer"),
+}
+
+
 def present(name: str) -> bool:
     """Whether the installed vLLM has upstream warmup `name` (a key of UPSTREAM_WARMUPS)."""
     from kwarm_ext.vllm_compat import has, module_exists

@@ -80,6 +80,17 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     assert text.splitlines()[0].endswith("disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)")
     assert "GPU: none (no CUDA GPU is visible (torch.cuda.is_available() is False)): kwarm's warmups run on " \
            "CUDA GPUs only" in text
+    for backend in ("FLASH_ATTN", "FLASHMLA"):  # issue 20: backends without run-time compiles say so
+        assert r["attention_backends"][backend]["warmed_by"] == "nothing compiles at run time: nothing to warm"
+    assert "  TRITON_ATTN           Triton: kernel_unified_attention (2D/3D), reduce_segments: triton_attn" in text
+
+
+def test_attention_backends_name_real_families():
+    from kwarm_ext.families import FAMILIES
+    from kwarm_ext.upstream import ATTENTION_BACKENDS
+
+    named = [by for _, by in ATTENTION_BACKENDS.values() if " " not in by]
+    assert named and all(by in FAMILIES for by in named), named
 
 
 @pytest.mark.parametrize("value, first", [
