@@ -289,10 +289,6 @@ def flush() -> None:
     _save_at_exit()
 
 
-def current() -> Learner | None:
-    return _learner
-
-
 @contextlib.contextmanager
 def paused():
     """Don't record the block's compilations (replay's own)."""
@@ -302,12 +298,3 @@ def paused():
         return
     with learner.recorder.paused():
         yield
-
-
-def _reset_for_tests() -> None:
-    global _learner
-    with _lock:
-        if _learner is not None:
-            _learner.stop()
-            monitor.unlisten(_learner.recorder.on_compile)
-        _learner = None

@@ -781,10 +781,6 @@ def tunes(kernel: ResolvedKernel) -> bool:
     return bool(kernel.autotuners) and len(kernel.autotuners[0].configs) > 1
 
 
-def autotune_configs(kernel: ResolvedKernel) -> list:
-    return list(kernel.autotuners[0].configs) if kernel.autotuners else []
-
-
 def seed_autotune(kernel: ResolvedKernel, key: list, wanted: dict) -> str | None:
     """Pre-seed ``Autotuner.cache[key]`` with the kernel's own config equal to `wanted`, so its
     first launch neither prunes nor benchmarks. Returns why not, or None when seeded."""
