@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-import forkserver
-
 REPO = Path(__file__).resolve().parent.parent
 RELEASES_DIR = REPO / ".rel"
 MATRIX = ("0.20.0", "0.22.0", "0.24.0", "0.26.0", "0.28.0")
@@ -47,12 +45,6 @@ def run_py(code: str, *, env: dict | None = None, release: str | None = None, ar
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
     # Not the repository root: there `python -c` would import the source kwarm_ext (which has
     # no `kernels` subpackage) instead of the installed one.
-    if release is not None and python is None and not args and cwd is None:
-        # a per-release scenario, plain `python -c`: a fork of a server that has imported
-        # torch and this release's vLLM does the same (tests/forkserver.py)
-        proc = forkserver.run(textwrap.dedent(code), env, tempfile.gettempdir(), timeout)
-        if proc is not None:
-            return proc
     cwd = cwd or tempfile.gettempdir()
     return subprocess.run([python or sys.executable, *args, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
@@ -179,7 +171,3 @@ def kwarm_env(monkeypatch):
 
     yield set_env
     config.reset()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    forkserver.close_all()
