@@ -40,9 +40,11 @@ How:
        one per dummy run. Those runs' MoE outputs are never written; they are discarded.
        On empty caches this is most of the family's cost (35 compiles: 18 s one by one on
        Qwen3-Next-80B dimensions, 5.6 s with this step, BENCHMARKS.md). Skipped under
-       Triton's interpreter, and when the probe ran faster than ``COLD_PROBE_S`` (its
-       compiles were loads from Triton's cache, so the dummy runs would run twice for
-       nothing: 1.4 s of a 2.3 s family on a warm restart).
+       Triton's interpreter, and, in a worker without torch.distributed peers, when the probe
+       ran faster than ``COLD_PROBE_S`` (its compiles were loads from Triton's cache, so the
+       dummy runs would run twice for nothing: 1.4 s of a 2.3 s family on a warm restart).
+       With peers (tensor, data or expert parallel) the pass always runs: the probe's time
+       differs per rank, and every rank must run the same dummy runs for their collectives.
     4. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
        forward over dummy tokens, so the kernel gets production's arguments exactly (and any
        other kernel that specializes on the eager token count comes along); every
@@ -121,8 +123,22 @@ def plan(view, forced) -> list:
     first, last = eager_range(view)
     if first > last:
         return [Step("eager_sizes", KERNEL, skip=f"no eager token counts ({first}..{last})")]
-    threads = triton_compat.compile_threads(view.tp_size)
-    return [Step("eager_sizes", KERNEL, run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads))]
+    # at least 2, so that every rank takes the same path (one thread would skip the pass)
+    threads = max(2, triton_compat.compile_threads(view.tp_size))
+    return [Step("eager_sizes", KERNEL,
+                 run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, _one_process()))]
+
+
+def _one_process() -> bool:
+    """Whether this worker is alone (no torch.distributed peers). With peers, every rank must
+    run the same dummy runs (their collectives pair up), so the probe's timing, which differs
+    per rank, may not decide whether the compile-ahead pass runs: it always does."""
+    try:
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except Exception:
+        return False
 
 
 def details() -> dict:
@@ -256,7 +272,8 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
     return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
 
 
-def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1) -> list:
+def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1,
+                     alone: bool = True) -> list:
     import torch
 
     with torch.inference_mode():
@@ -272,7 +289,7 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         step = max(period(c.top_k) for c in calls)
         spans = regions(config_fn, calls, first, last)
         sizes = representatives(spans, step)
-        if probe_s >= COLD_PROBE_S:
+        if probe_s >= COLD_PROBE_S or not alone:
             ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" (probe {probe_s:.2f} s)"
         else:  # its compiles were loads from Triton's cache: a second pass would only cost
             ahead = f"no compile ahead (the probe took {probe_s:.2f} s: Triton's cache is warm)"
