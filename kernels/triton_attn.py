@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import sys
 import time
 
@@ -60,6 +61,8 @@ from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, com
 from kwarm_ext.kernels.runner import classes_for, synchronize
 from kwarm_ext.triton_compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, resolve
+
+logger = logging.getLogger("kwarm")
 
 NAME = "triton_attn"
 BACKEND = "TRITON_ATTN"
@@ -222,7 +225,7 @@ def launch_key(kernel, args, kwargs) -> tuple:
     for name in names:
         if name not in bound:
             continue
-        value, mode = bound[name], _mode(kernel, name)
+        value, mode = bound[name], param_mode(kernel, name)
         if mode == "constexpr":
             out.append((name, value if isinstance(value, (bool, int, float, str, type(None))) else str(value)))
         elif value is None or isinstance(value, bool):
@@ -246,10 +249,6 @@ def _param_names(kernel) -> list:
 
         names = list(inspect.signature(fn).parameters)
     return list(names)
-
-
-def _mode(kernel, name: str) -> str:
-    return param_mode(kernel, name)
 
 
 def decision(key: tuple) -> tuple:
@@ -338,9 +337,11 @@ def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) ->
                 for batch in batches:
                     run_batch(target, batch)
     except Exception as exc:  # an optimization only: the launches below compile one by one
+        logger.warning("kwarm: triton_attn: %s: compile ahead failed, compiling one batch at a time: %r",
+                       target.label, exc)
         if config.get().strict:
             raise
-        return f"compile ahead failed ({type(exc).__name__}: {exc})"
+        return f"compile ahead failed ({type(exc).__name__})"
     return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
 
 

@@ -100,3 +100,25 @@ def test_a_worker_without_peers_is_alone():
 
     assert not (dist.is_available() and dist.is_initialized())
     assert fused_moe._one_process() is True
+
+
+def test_triton_attn_compile_ahead_failing_is_one_warning_naming_the_group(monkeypatch, kwarm_env, kwarm_log):
+    import types
+
+    from kwarm_ext.kernels import triton_attn
+
+    kernel = Kernel()
+    monkeypatch.setattr(triton_compat, "resolve",
+                        lambda module, qualname: triton_compat.ResolvedKernel(module, qualname, kernel, kernel))
+
+    def run_batch(target, batch):
+        raise RuntimeError("builder")
+
+    monkeypatch.setattr(triton_attn, "run_batch", run_batch)
+    target = types.SimpleNamespace(label="group 3")
+    kwarm_env()
+    text = triton_attn.compile_ahead(target, {"kernel_unified_attention": kernel}, [triton_attn.Batch(1, 1)], 4)
+    assert text == "compile ahead failed (RuntimeError)"
+    warnings = kwarm_log.messages()
+    assert len(warnings) == 1 and warnings[0].startswith("kwarm: triton_attn: group 3: compile ahead failed"), warnings
+    assert "run" not in vars(kernel)
