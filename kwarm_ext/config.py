@@ -108,9 +108,9 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
     """Parse the ``KWARM_*`` variables of `env`; problems are collected, not raised."""
     env = os.environ if env is None else env
     if known_families is None:
-        from kwarm_ext.families import FAMILIES
+        from kwarm_ext.families import selectable
 
-        known_families = tuple(FAMILIES)
+        known_families = selectable()
     problems: list[str] = []
 
     def bad(var, value, default, why):

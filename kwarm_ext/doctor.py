@@ -107,7 +107,7 @@ def enabled_text(raw: str | None, enabled: bool) -> str:
 
 def collect() -> dict:
     from kwarm_ext import __version__, activation, config
-    from kwarm_ext.families import FAMILIES
+    from kwarm_ext.families import FAMILIES, FRONTEND
     from kwarm_ext.upstream import ATTENTION_BACKENDS, UPSTREAM_WARMUPS, detect
 
     settings = config.parse()
@@ -125,7 +125,8 @@ def collect() -> dict:
         "upstream_warmups": {} if vllm else {"error": "vllm is not installed: nothing to compare with"},
         "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced,
-                         "here": _applies_here(n, settings, vllm, here)} for n, f in FAMILIES.items()},
+                         "here": _applies_here(n, settings, vllm, here)}
+                     for n, f in {**FAMILIES, FRONTEND.name: FRONTEND}.items()},
         "attention_backends": {n: {"runs": runs, "warmed_by": by} for n, (runs, by) in ATTENTION_BACKENDS.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),

@@ -15,9 +15,9 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
 
 ``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
-kwarm_ext/replay.py rather than under ``kernels/``; ``frontend`` (kwarm_ext/frontend.py) runs in
-vLLM's front-end process, not in the worker, and is listed here so that ``KWARM_WARMUPS``
-selects it like the others.
+kwarm_ext/replay.py rather than under ``kernels/``. ``frontend`` (kwarm_ext/frontend.py) runs in
+vLLM's front-end process, not in the worker: it is not in the table, but ``KWARM_WARMUPS``
+selects it by name like the others (:func:`selectable`).
 
 Selection: ``KWARM_WARMUPS`` (see kwarm_ext/config.py) > each family's own ``applies``.
 """
@@ -81,8 +81,17 @@ FAMILIES = {
                "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
                "allocated and freed, so that the first request's allocations find whole free blocks",
                after_capture=True),
-        Family("frontend", "kwarm_ext.frontend",
-               "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
-               "is built, not on the first request"),
     )
 }
+
+# Not a worker family: it runs in vLLM's front-end process, when the InputProcessor is built
+# (kwarm_ext/patches.py), so the worker's warmup never plans it. KWARM_WARMUPS and
+# `kwarm doctor` know it by name like the others.
+FRONTEND = Family("frontend", "kwarm_ext.frontend",
+                  "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
+                  "is built, not on the first request")
+
+
+def selectable() -> tuple:
+    """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
+    return (*FAMILIES, FRONTEND.name)

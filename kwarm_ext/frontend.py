@@ -30,11 +30,6 @@ logger = logging.getLogger("kwarm")
 NAME = "frontend"
 
 
-def applies(view) -> str | None:
-    """The worker side of the family registry: always a skip, so no ``plan`` is needed."""
-    return "runs in the front end, when vLLM builds its InputProcessor"
-
-
 def warm(input_processor) -> float | None:
     """Load the logits-processor plugins for `input_processor`'s model; seconds, or None
     when KWARM_WARMUPS leaves the front end out. Raises what vLLM's call raises."""

@@ -68,3 +68,12 @@ def test_readme_configuration_table_matches_the_variables():
     readme = (REPO / "README.md").read_text()
     for name, doc in config.VARIABLES.items():
         assert f"| `{name}` | {doc} |" in readme, f"README's table is out of date for {name}"
+
+
+def test_frontend_is_a_selectable_name_not_a_worker_family():
+    from kwarm_ext import families
+
+    assert "frontend" not in families.FAMILIES, "the worker's warmup never plans the front end"
+    settings = config.parse({"KWARM_WARMUPS": "frontend"})
+    assert settings.problems == () and settings.warmups.wants("frontend")
+    assert not settings.warmups.wants("runner")
