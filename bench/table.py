@@ -13,33 +13,28 @@ families) beside the first-request excess it buys back.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 SCHEMA = "kwarm-engine-bench/1"
 
-# Kernel -> the kwarm family that should compile it at engine start. Anything not
-# listed (fused_moe_kernel, kernel_unified_attention, ...) is for learn-and-replay.
-OWNERS = {
-    "_causal_conv1d_fwd_kernel": "qwen_gdn",
-    "_causal_conv1d_update_kernel": "qwen_gdn",
-    "_fused_post_conv_kernel": "qwen_gdn",
-    "fused_sigmoid_gating_delta_rule_update_kernel": "qwen_gdn",
-    "fused_recurrent_gated_delta_rule_packed_decode_kernel": "qwen_gdn",
-    "layer_norm_fwd_kernel": "qwen_gdn",
-    "_compute_slot_mapping_kernel": "runner",
-    "_zero_kv_blocks_kernel": "runner",
-    "_build_prefill_chunk_metadata_kernel": "dsa_indexer",
-    "_convert_req_index_to_global_index_kernel": "dsa_indexer",
-    "fused_moe_kernel": "fused_moe",
-}
+# A kernel no family declares (kwarm_ext.families.triton_owners) is for learn-and-replay.
 LEARN_AND_REPLAY = "learn-and-replay"
+
+
+@functools.lru_cache(maxsize=1)
+def owners() -> dict:
+    """Kernel -> the kwarm family that compiles it at engine start, from the installed kwarm."""
+    from kwarm_ext.families import triton_owners
+
+    return triton_owners()
 
 
 def owner(kernel: str) -> str:
     """The family that should own `kernel` (a Triton qualname; only its last part counts)."""
-    return OWNERS.get(kernel.rsplit(".", 1)[-1], LEARN_AND_REPLAY)
+    return owners().get(kernel.rsplit(".", 1)[-1], LEARN_AND_REPLAY)
 
 
 # ---------------------------------------------------------------------------- loading

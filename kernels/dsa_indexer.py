@@ -134,6 +134,7 @@ INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"
 SPARSE_MLA_BACKEND = "FLASHMLA_SPARSE"
 CHUNK_KERNEL = "_build_prefill_chunk_metadata_kernel"
 CONVERT_KERNEL = "_convert_req_index_to_global_index_kernel"
+TRITON_KERNELS = (CHUNK_KERNEL, CONVERT_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
 
 _INDEXER = "vllm.v1.attention.backends.mla.indexer"
 _SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"

@@ -83,6 +83,7 @@ logger = logging.getLogger("kwarm")
 
 NAME = "fused_moe"
 KERNEL = "fused_moe_kernel"
+TRITON_KERNELS = (KERNEL,)  # what this family compiles at start
 _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe_config"
 _KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
 # The probe's dummy run meets the kernel's first two specializations: on empty caches two

@@ -88,6 +88,7 @@ _WARM_BLOCK_ID = 0
 
 _SLOT_KERNEL = "_compute_slot_mapping_kernel"
 _ZERO_KERNEL = "_zero_kv_blocks_kernel"
+TRITON_KERNELS = (_SLOT_KERNEL, _ZERO_KERNEL)  # what this family compiles at start
 
 
 # ---------------------------------------------------------------------------- applicability

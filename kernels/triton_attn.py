@@ -69,6 +69,7 @@ BACKEND = "TRITON_ATTN"
 KERNEL = "kernel_unified_attention"
 OPS_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 KERNELS = (KERNEL, "reduce_segments")
+TRITON_KERNELS = KERNELS  # what this family compiles at start
 BATCH_PARAM = "num_seqs"
 _details: dict = {}  # per group, for the summary line
 

@@ -12,6 +12,21 @@ __version__ = "0.1.0"
 __all__ = ["activate", "__version__"]
 
 
+def _source_checkout_kernels() -> None:
+    """In a source checkout ``kernels/`` sits beside this package (the wheel ships it as
+    ``kwarm_ext.kernels``, pyproject.toml's package-dir): let ``kwarm_ext.kernels`` resolve
+    there too, so that scripts run from a clone (bench/) import the same families."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    if not os.path.isdir(os.path.join(here, "kernels")) and os.path.isfile(os.path.join(root, "kernels", "__init__.py")):
+        __path__.append(root)  # noqa: F821 (a package's __path__)
+
+
+_source_checkout_kernels()
+
+
 def activate(source: str = "api") -> bool:
     """Install kwarm's hooks in this process, once; a no-op unless KWARM_ENABLE is truthy.
 

@@ -95,3 +95,14 @@ FRONTEND = Family("frontend", "kwarm_ext.frontend",
 def selectable() -> tuple:
     """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
     return (*FAMILIES, FRONTEND.name)
+
+
+def triton_owners() -> dict:
+    """Triton kernel name -> the family that compiles it at start, from each family module's
+    ``TRITON_KERNELS`` (bench/table.py attributes request-time compiles with it). Imports the
+    family modules, not vLLM."""
+    owners = {}
+    for name, family in FAMILIES.items():
+        for kernel in getattr(family.load(), "TRITON_KERNELS", ()):
+            owners.setdefault(kernel, name)
+    return owners

@@ -39,12 +39,13 @@ def run():
 
 
 def kwarm_on_run(run: dict) -> dict:
-    """The fixture as a warm kwarm-on run: the qwen_gdn and runner compiles are gone."""
+    """The fixture as a warm kwarm-on run of a kwarm without triton_attn: the qwen_gdn, runner and
+    fused_moe compiles are gone, the attention kernel's are left."""
     on = copy.deepcopy(run)
     on["kwarm"], on["cache"]["label"] = "on", "warm"
     on["init_s"], on["kwarm_warmup_s"] = 31.2, 8.7
     for r in on["requests"]:
-        r["kernels"] = [k for k in r["kernels"] if table.owner(k["name"]) == table.LEARN_AND_REPLAY]
+        r["kernels"] = [k for k in r["kernels"] if table.owner(k["name"]) in ("triton_attn", table.LEARN_AND_REPLAY)]
         r["jit"] = len(r["kernels"])
     on["requests"][0]["s"] = 0.29
     report = {"total_s": 8.7, "rank": 0, "pid": 1, "view": {"x": 1}, "families": [
@@ -98,18 +99,19 @@ def test_ownership_mapping(run):
     assert table.owner("_build_prefill_chunk_metadata_kernel") == "dsa_indexer"
     assert table.owner("_convert_req_index_to_global_index_kernel") == "dsa_indexer"
     assert table.owner("fused_moe_kernel") == "fused_moe"
-    assert table.owner("kernel_unified_attention") == "learn-and-replay"
-    assert table.owner_counts(run) == {"qwen_gdn": 2, "runner": 4, "fused_moe": 6, "learn-and-replay": 2}
+    assert table.owner("kernel_unified_attention") == "triton_attn"
+    assert table.owner("some_kernel_no_family_declares") == "learn-and-replay"
+    assert table.owner_counts(run) == {"qwen_gdn": 2, "runner": 4, "fused_moe": 6, "triton_attn": 2}
 
     text = table.render([run])
-    assert "14 compiles (fused_moe 6, learn-and-replay 2, qwen_gdn 2, runner 4)" in text
+    assert "14 compiles (fused_moe 6, qwen_gdn 2, runner 4, triton_attn 2)" in text
     assert "  - req 0 `_causal_conv1d_fwd_kernel` → qwen_gdn: key `((('*bf16', 'D')" in text
     assert "  - req 4 `_zero_kv_blocks_kernel` → runner: key `" in text
     assert text.count("`fused_moe_kernel` → fused_moe") == 6
     short = table.render([run], keys=False)
     assert "key `" not in short
     assert "  - req 0 `_compute_slot_mapping_kernel` ×2 → runner" in short
-    assert "  - req 2 `kernel_unified_attention` → learn-and-replay" in short
+    assert "  - req 2 `kernel_unified_attention` → triton_attn" in short
 
 
 def test_several_runs_one_table(run, tmp_path, capsys):
@@ -127,7 +129,7 @@ def test_several_runs_one_table(run, tmp_path, capsys):
     assert out.out.count("### tiny-qwen3-next") == 1
     assert ("warmup 8.70 s: runner ran 0.600 s, 2/2 steps, 4 compiled; qwen_gdn ran 8.00 s, 5/6 steps, "
             "9 compiled; dsa_indexer skipped (no DSA indexer layer)") in out.out
-    assert "kwarm on · warm Triton cache**: 2 compiles (learn-and-replay 2)" in out.out
+    assert "kwarm on · warm Triton cache**: 2 compiles (triton_attn 2)" in out.out
 
 
 def test_kwarm_on_without_report_is_flagged(run):
