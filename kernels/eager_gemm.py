@@ -287,7 +287,7 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
                 with _session(torch, device_type) as mode:
                     warmed, left = _warm(calls, order, budgeted)
             except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
-                if device_type != "cuda" or config.get().strict:
+                if device_type != "cuda" or config.strict():
                     raise
                 mode = f"run (capture failed: {type(exc).__name__}: {exc})"
                 warmed, left = _warm(calls, order, budgeted)

@@ -69,17 +69,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import math
 import sys
 import time
 
-from kwarm_ext import config, triton_compat
+from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
+from kwarm_ext.log import fail_open
 from kwarm_ext.kernels.runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
-
-logger = logging.getLogger("kwarm")
 
 NAME = "fused_moe"
 KERNEL = "fused_moe_kernel"
@@ -258,18 +256,16 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
     except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests), or moved
         return f"no compile ahead ({exc})"
     t0 = time.perf_counter()
-    try:
+    # an optimization only: the warm runs below compile one by one
+    with fail_open("fused_moe: compile ahead failed, compiling one token count at a time") as outcome:
         with triton_compat.parallel_compiles(threads) as parallel:
             if not parallel:
                 return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
             with triton_compat.launches_compile_only(jit):
                 for m in sizes:
                     dummy_run(m)
-    except Exception as exc:  # an optimization only: the warm runs below compile one by one
-        logger.warning("kwarm: fused_moe: compile ahead failed, compiling one token count at a time: %r", exc)
-        if config.get().strict:
-            raise
-        return f"compile ahead failed ({type(exc).__name__})"
+    if outcome.error is not None:
+        return f"compile ahead failed ({type(outcome.error).__name__})"
     return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
 
 

@@ -50,19 +50,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import sys
 import time
 
-from kwarm_ext import config, triton_compat
+from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
+from kwarm_ext.log import fail_open
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
                                                 groups_of, metadata_builder)
 from kwarm_ext.kernels.runner import classes_for, synchronize
 from kwarm_ext.triton_compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, resolve
-
-logger = logging.getLogger("kwarm")
 
 NAME = "triton_attn"
 BACKEND = "TRITON_ATTN"
@@ -328,7 +326,8 @@ def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) ->
     except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests)
         return f"no compile ahead ({exc})"
     t0 = time.perf_counter()
-    try:
+    # an optimization only: the launches below compile one by one
+    with fail_open(f"triton_attn: {target.label}: compile ahead failed, compiling one batch at a time") as outcome:
         with triton_compat.parallel_compiles(threads) as parallel:
             if not parallel:
                 return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
@@ -337,12 +336,8 @@ def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) ->
                     stack.enter_context(triton_compat.launches_compile_only(jit))
                 for batch in batches:
                     run_batch(target, batch)
-    except Exception as exc:  # an optimization only: the launches below compile one by one
-        logger.warning("kwarm: triton_attn: %s: compile ahead failed, compiling one batch at a time: %r",
-                       target.label, exc)
-        if config.get().strict:
-            raise
-        return f"compile ahead failed ({type(exc).__name__})"
+    if outcome.error is not None:
+        return f"compile ahead failed ({type(outcome.error).__name__})"
     return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
 
 

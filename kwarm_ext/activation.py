@@ -52,7 +52,4 @@ def is_active() -> bool:
 
 
 def _strict() -> bool:
-    try:
-        return config.get().strict
-    except Exception:
-        return False
+    return config.strict()

@@ -284,3 +284,12 @@ def reset() -> None:
     global _settings
     with _lock:
         _settings = None
+
+
+def strict() -> bool:
+    """``KWARM_STRICT``, read in this one place for every failure path; False when the
+    settings cannot be read (a failure path must not fail again)."""
+    try:
+        return get().strict
+    except Exception:
+        return False

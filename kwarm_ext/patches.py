@@ -24,8 +24,9 @@ of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
+
+from kwarm_ext.log import fail_open
 
 logger = logging.getLogger("kwarm")
 
@@ -55,25 +56,12 @@ def install() -> None:
     _installed = True
 
 
-@contextlib.contextmanager
-def _fail_open(message: str):
-    """Nothing kwarm raises in vLLM's code paths gets out: one warning (KWARM_STRICT re-raises)."""
-    try:
-        yield
-    except Exception as exc:
-        logger.warning("kwarm: %s: %r", message, exc)
-        from kwarm_ext import config
-
-        if config.get().strict:
-            raise
-
-
 def _guarded(patch_module, what: str):
     """A post-import hook calling ``patch_module(module)``: wrapt lets a hook's exception fail
     the user's import, so one never gets out."""
 
     def hook(module) -> None:
-        with _fail_open(f"could not {what}"):
+        with fail_open(f"could not {what}"):
             patch_module(module)
 
     return hook
@@ -114,7 +102,7 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
     """Run vLLM's own ``kernel_warmup(worker, ...)``, then kwarm's warmup on the same worker."""
     result = wrapped(*args, **kwargs)
     worker = args[0] if args else kwargs.get("worker")
-    with _fail_open("warmup failed, the engine starts without it"):
+    with fail_open("warmup failed, the engine starts without it"):
         from kwarm_ext import warmup
 
         warmup.run(worker)  # isolates each of its own steps
@@ -164,7 +152,7 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     allocator after capture, or offers a hook after it.
     """
     result = wrapped(*args, **kwargs)
-    with _fail_open("after-capture steps failed, the engine starts without them"):
+    with fail_open("after-capture steps failed, the engine starts without them"):
         from kwarm_ext import warmup
 
         warmup.after_capture(instance)
@@ -199,7 +187,7 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     input_processor.py``). It can go when vLLM loads those plugins at start-up.
     """
     result = wrapped(*args, **kwargs)
-    with _fail_open("front-end warmup failed, skipped"):
+    with fail_open("front-end warmup failed, skipped"):
         from kwarm_ext import frontend
 
         frontend.warm(instance)

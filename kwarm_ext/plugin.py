@@ -19,5 +19,5 @@ def register() -> None:
         sys.stderr.write(f"WARNING kwarm: plugin failed, kwarm is off in this process: {exc!r}\n")
         from kwarm_ext import config
 
-        if config.is_enabled() and config.get().strict:
+        if config.is_enabled() and config.strict():
             raise

@@ -32,6 +32,7 @@ import time
 
 from kwarm_ext import config, learn, manifest, monitor, triton_compat
 from kwarm_ext.families import Step
+from kwarm_ext.log import fail_open
 
 logger = logging.getLogger("kwarm")
 NO_GPU = "no GPU driver is active (a stub or none): kernels load and launch at first use"
@@ -295,12 +296,10 @@ def _settle(state: ReplayState, job, result) -> None:
     if why:
         return state.skip(job.label, "compile failed", why)
     state.compiled.append((job.label, kernel))
-    try:
+    # an optimization only (the launch builds the key itself): a debug line; KWARM_STRICT (CI)
+    # sees a Triton layout change here
+    with fail_open(f"replay could not seed the key cache for {job.label}", logging.DEBUG):
         state.key_cache_seeded += triton_compat.seed_key_cache(job.jit, job.key)
-    except Exception as exc:  # an optimization only: the launch builds the key itself
-        logger.debug("kwarm: replay could not seed the key cache for %s: %r", job.label, exc)
-        if config.get().strict:  # CI catches a Triton layout change here
-            raise
     return None
 
 
@@ -339,11 +338,8 @@ def launch_once(state: ReplayState) -> list:
 
 
 def _attempt(fn, done: str) -> str:
-    try:
+    # an optimization only (the first launch pays it instead): a debug line
+    with fail_open("replay could not prime the binder", logging.DEBUG) as outcome:
         fn()
         return done
-    except Exception as exc:  # an optimization only: the first launch pays it instead
-        logger.debug("kwarm: replay could not prime the binder: %r", exc)
-        if config.get().strict:
-            raise
-        return f"not primed ({type(exc).__name__}: {exc})"
+    return f"not primed ({type(outcome.error).__name__}: {outcome.error})"

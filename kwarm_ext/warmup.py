@@ -19,6 +19,7 @@ import threading
 import time
 
 from kwarm_ext import budget, config, engine, monitor
+from kwarm_ext.log import fail_open
 from kwarm_ext.families import FAMILIES
 
 logger = logging.getLogger("kwarm")
@@ -59,15 +60,12 @@ class StepFailed(Exception):
     pass
 
 
-def guarded(what: str, fn, *, default=None):
-    """Run `fn`; on an exception log one warning naming `what` and return `default`."""
-    try:
+def guarded(what: str, fn):
+    """Run `fn` under kwarm's failure policy (``log.fail_open``): an exception is one warning
+    naming `what`, then :class:`StepFailed` for the caller to record."""
+    with fail_open(f"{what} failed, skipped") as outcome:
         return fn()
-    except Exception as exc:
-        logger.warning("kwarm: %s failed, skipped: %s: %s", what, type(exc).__name__, exc)
-        if config.get().strict:
-            raise
-        raise StepFailed(f"{type(exc).__name__}: {exc}") from exc
+    raise StepFailed(f"{type(outcome.error).__name__}: {outcome.error}") from outcome.error
 
 
 def run(worker) -> dict:

@@ -146,7 +146,7 @@ def test_after_capture_failure_is_one_warning_and_vllms_error_is_vllms(monkeypat
     patches.patch_after_capture(module)
     assert module.Worker().compile_or_warm_up_model() == "ok"
     assert [m for m in kwarm_log.messages() if "after-capture" in m] == [
-        "kwarm: after-capture steps failed, the engine starts without them: ZeroDivisionError('division by zero')"]
+        "kwarm: after-capture steps failed, the engine starts without them: ZeroDivisionError: division by zero"]
 
     def fails(self):
         raise ValueError("vLLM's own failure")
