@@ -1,4 +1,6 @@
-"""kwarm's three monkey-patches: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
+"""kwarm's monkey-patches of vLLM, declared in one table (:func:`_patches`: target, wrapper,
+releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
+The three: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
 warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
 CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
@@ -21,10 +23,17 @@ vLLM versions: needed for every release kwarm supports, 0.20.0 to 0.33.0 (checke
 each release by ``kwarm doctor`` and tests/test_hook.py). It can go when vLLM offers a
 public warmup-extension point that runs at the same moment (the JIT-warmup registry
 of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
+
+Elsewhere, by design: the Triton serializer patch (``triton_compat.patch_serializer``, for
+learning) and the scoped, instance-level ``run`` shadows of compile-ahead and launch
+recording (``triton_compat.launches_compile_only``, ``kernels/triton_attn.observed_launches``),
+which patch Triton objects for the length of a ``with`` block.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Callable
 
 from kwarm_ext.log import fail_open
 
@@ -35,67 +44,143 @@ TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
 
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One monkey-patch of vLLM: ``module[.owner].attribute`` wrapped (wrapt) by `wrapper`.
+    The wrapper's docstring says why it exists and when it can go; `releases` where it is needed."""
+
+    module: str
+    attribute: str
+    wrapper: Callable
+    releases: str
+    lost: str  # what does not happen when the patch cannot be applied
+    owner: str | None = None  # the class holding `attribute`, or None for a module attribute
+    announce: str | None = None  # an info line once applied
+
+    @property
+    def target(self) -> str:
+        return ".".join(filter(None, (self.module, self.owner, self.attribute)))
+
+    def holder(self, module):
+        """What holds the attribute in `module` (the module or its class); None if absent."""
+        holder = module if self.owner is None else getattr(module, self.owner, None)
+        return holder if holder is not None and callable(getattr(holder, self.attribute, None)) else None
+
+    def current(self, module):
+        holder = self.holder(module)
+        if holder is None:
+            return None
+        return getattr(holder, self.attribute) if self.owner is None else vars(holder).get(self.attribute)
+
+    def applied(self, module) -> bool:
+        import wrapt
+
+        current = self.current(module)
+        return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is self.wrapper
+
+    def apply(self, module) -> bool:
+        """Wrap once; returns whether this call wrapped. An absent target is one warning."""
+        import wrapt
+
+        holder = self.holder(module)
+        if holder is None:
+            logger.warning("kwarm: %s has no %s in this vLLM; %s", self.module,
+                           ".".join(filter(None, (self.owner, self.attribute))), self.lost)
+            return False
+        if self.applied(module):
+            return False
+        wrapt.wrap_function_wrapper(holder, self.attribute, self.wrapper)
+        if self.announce:
+            logger.info("kwarm: hooked %s: %s", self.target, self.announce)
+        return True
+
+    def remove(self, module) -> bool:
+        """Restore the original (tests, and a clean uninstall); returns whether it was wrapped."""
+        if not self.applied(module):
+            return False
+        setattr(self.holder(module), self.attribute, self.current(module).__wrapped__)
+        return True
+
+
+def _patches() -> tuple:
+    """The table: every vLLM patch kwarm installs, in one place (the wrappers are below)."""
+    return (
+        Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33", "kwarm's warmup will not run",
+              announce="kwarm's warmup runs after vLLM's"),
+        Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
+              "kwarm's after-capture steps will not run", owner="Worker"),
+        Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
+              "the front-end warmup will not run", owner="InputProcessor"),
+    )
+
+
 _installed = False
 
 
 def install() -> None:
-    """Register the post-import hook; it fires at once if gpu_worker is already imported."""
+    """Register one post-import hook per patch; each fires at once if its module is imported."""
     global _installed
     if _installed:
         return
     import wrapt
 
-    wrapt.register_post_import_hook(
-        _guarded(patch, f"wrap {TARGET_MODULE}.{TARGET_ATTRIBUTE}, kwarm's warmup will not run"), TARGET_MODULE)
-    wrapt.register_post_import_hook(
-        _guarded(patch_after_capture, f"wrap {TARGET_MODULE}.{AFTER_CAPTURE_TARGET}, kwarm's after-capture "
-                                      "steps will not run"), TARGET_MODULE)
-    wrapt.register_post_import_hook(
-        _guarded(patch_input_processor, f"wrap {FRONTEND_MODULE}.InputProcessor.__init__, the front-end "
-                                        "warmup will not run"), FRONTEND_MODULE)
+    for entry in _patches():
+        wrapt.register_post_import_hook(_hook(entry), entry.module)
     _installed = True
 
 
-def _guarded(patch_module, what: str):
-    """A post-import hook calling ``patch_module(module)``: wrapt lets a hook's exception fail
-    the user's import, so one never gets out."""
+def _hook(entry: Patch):
+    """A post-import hook applying `entry`: wrapt lets a hook's exception fail the user's
+    import, so one never gets out."""
 
     def hook(module) -> None:
-        with fail_open(f"could not {what}"):
-            patch_module(module)
+        with fail_open(f"could not wrap {entry.target}, {entry.lost}"):
+            entry.apply(module)
 
     return hook
 
 
-def patch(module) -> bool:
-    """Wrap ``module.kernel_warmup`` once. Returns whether this call wrapped it."""
-    import wrapt
+def _entry(wrapper) -> Patch:
+    return next(p for p in _patches() if p.wrapper is wrapper)
 
-    current = getattr(module, TARGET_ATTRIBUTE, None)
-    if current is None:
-        logger.warning("kwarm: %s has no attribute %s in this vLLM; kwarm's warmup will not run",
-                       TARGET_MODULE, TARGET_ATTRIBUTE)
-        return False
-    if is_patched(module):
-        return False
-    wrapt.wrap_function_wrapper(module, TARGET_ATTRIBUTE, _wrap_kernel_warmup)
-    logger.info("kwarm: hooked %s.%s: kwarm's warmup runs after vLLM's", TARGET_MODULE, TARGET_ATTRIBUTE)
-    return True
+
+# The names the rest of kwarm, doctor and the tests use, one per patch.
+def patch(module) -> bool:
+    return _entry(_wrap_kernel_warmup).apply(module)
 
 
 def unpatch(module) -> bool:
-    """Restore the original ``kernel_warmup`` (tests; ``kwarm`` never unpatches itself)."""
-    if not is_patched(module):
-        return False
-    setattr(module, TARGET_ATTRIBUTE, getattr(module, TARGET_ATTRIBUTE).__wrapped__)
-    return True
+    return _entry(_wrap_kernel_warmup).remove(module)
 
 
 def is_patched(module) -> bool:
-    import wrapt
+    return _entry(_wrap_kernel_warmup).applied(module)
 
-    current = getattr(module, TARGET_ATTRIBUTE, None)
-    return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is _wrap_kernel_warmup
+
+def patch_after_capture(module) -> bool:
+    return _entry(_wrap_compile_or_warm_up_model).apply(module)
+
+
+def unpatch_after_capture(module) -> bool:
+    return _entry(_wrap_compile_or_warm_up_model).remove(module)
+
+
+def is_after_capture_patched(module) -> bool:
+    return _entry(_wrap_compile_or_warm_up_model).applied(module)
+
+
+def after_capture_class(module):
+    """``module.Worker`` where it has a ``compile_or_warm_up_model`` to wrap, else None."""
+    return _entry(_wrap_compile_or_warm_up_model).holder(module)
+
+
+def patch_input_processor(module) -> bool:
+    return _entry(_wrap_input_processor_init).apply(module)
+
+
+def unpatch_input_processor(module) -> bool:
+    return _entry(_wrap_input_processor_init).remove(module)
 
 
 def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
@@ -107,36 +192,6 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
 
         warmup.run(worker)  # isolates each of its own steps
     return result
-
-
-# ---------------------------------------------------------------------------- after capture
-
-def patch_after_capture(module) -> bool:
-    """Wrap ``module.Worker.compile_or_warm_up_model`` once. Returns whether this call wrapped it."""
-    import wrapt
-
-    cls = after_capture_class(module)
-    if cls is None:
-        logger.warning("kwarm: %s has no %s in this vLLM; kwarm's after-capture steps will not run",
-                       TARGET_MODULE, AFTER_CAPTURE_TARGET)
-        return False
-    if is_after_capture_patched(module):
-        return False
-    wrapt.wrap_function_wrapper(cls, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model)
-    return True
-
-
-def after_capture_class(module):
-    """``module.Worker`` where it has a ``compile_or_warm_up_model`` to wrap, else None."""
-    cls = getattr(module, "Worker", None)
-    return cls if callable(getattr(cls, "compile_or_warm_up_model", None)) else None
-
-
-def is_after_capture_patched(module) -> bool:
-    import wrapt
-
-    current = getattr(getattr(module, "Worker", None), "__dict__", {}).get("compile_or_warm_up_model")
-    return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is _wrap_compile_or_warm_up_model
 
 
 def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
@@ -157,24 +212,6 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
 
         warmup.after_capture(instance)
     return result
-
-
-# ---------------------------------------------------------------------------- front end
-
-def patch_input_processor(module) -> bool:
-    """Wrap ``module.InputProcessor.__init__`` once. Returns whether this call wrapped it."""
-    import wrapt
-
-    cls = getattr(module, "InputProcessor", None)
-    if cls is None:
-        logger.warning("kwarm: %s has no InputProcessor in this vLLM; the front-end warmup will not run",
-                       FRONTEND_MODULE)
-        return False
-    current = cls.__dict__.get("__init__")
-    if isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is _wrap_input_processor_init:
-        return False
-    wrapt.wrap_function_wrapper(cls, "__init__", _wrap_input_processor_init)
-    return True
 
 
 def _wrap_input_processor_init(wrapped, instance, args, kwargs):

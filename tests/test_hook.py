@@ -158,3 +158,25 @@ def test_after_capture_failure_is_one_warning_and_vllms_error_is_vllms(monkeypat
     with pytest.raises(ValueError, match="vLLM's own failure"):
         module.Worker().compile_or_warm_up_model()
     assert ran == []
+
+
+def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
+    """The contract of the one patch table, on the real vLLM modules: each target exists,
+    a second apply does not double-wrap, remove restores the very original, twice is a no-op."""
+    import importlib
+
+    from kwarm_ext import patches
+
+    for entry in patches._patches():
+        module = importlib.import_module(entry.module)
+        entry.remove(module)  # whatever an earlier test left
+        original = entry.current(module)
+        assert original is not None, entry.target
+        assert entry.apply(module) is True and entry.applied(module), entry.target
+        assert entry.apply(module) is False, f"{entry.target}: wrapped twice"
+        assert entry.remove(module) is True and not entry.applied(module), entry.target
+        assert entry.current(module) is original, f"{entry.target}: not the original after remove"
+        assert entry.remove(module) is False
+    assert {e.target for e in patches._patches()} == {
+        "vllm.v1.worker.gpu_worker.kernel_warmup", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
+        "vllm.v1.engine.input_processor.InputProcessor.__init__"}
