@@ -7,6 +7,7 @@ Not a family (no ``applies``/``plan``): shared by ``dsa_indexer`` and ``triton_a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from kwarm_ext.vllm_compat import Missing, resolve
 
@@ -23,6 +24,11 @@ def groups_of(view, backend: str) -> list:
             if name == backend:
                 out.append(group)
     return out
+
+
+def vllm_config(view):
+    """The engine's VllmConfig, from the worker or the runner."""
+    return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)
 
 
 def metadata_builder(group):
@@ -68,7 +74,7 @@ def common_metadata(table, query_lens: list, seq_lens: list, device):
     cls = resolve("vllm.v1.attention.backend:CommonAttentionMetadata",
                   "vllm.v1.attention.backends.utils:CommonAttentionMetadata")
     n, tokens = len(query_lens), sum(query_lens)
-    starts = torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
     seqs = torch.tensor(seq_lens, dtype=torch.int32)
     computed = seqs - torch.tensor(query_lens, dtype=torch.int32)
     values = {
@@ -86,10 +92,3 @@ def common_metadata(table, query_lens: list, seq_lens: list, device):
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise Missing(f"CommonAttentionMetadata needs {field.name}, which kwarm does not fill")
     return cls(**kwargs)
-
-
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total

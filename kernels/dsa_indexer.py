@@ -124,6 +124,7 @@ import os
 from kwarm_ext import vllm_compat
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.attention_groups import block_table, groups_of as _groups, metadata_builder as _builder
+from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
 from kwarm_ext.kernels.runner import runner_models
 from kwarm_ext.triton_compat import int_class
 from kwarm_ext.vllm_compat import Missing
@@ -220,10 +221,6 @@ CHUNK_CASES = tuple(ChunkCase(s, e, a) for a in (True, False) for s, e in QUERY_
 
 
 # -- the live engine -----------------------------------------------------------------------
-
-def _vllm_config(view):
-    return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)
-
 
 def _device(view):
     import torch

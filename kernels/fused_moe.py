@@ -75,7 +75,6 @@ import time
 
 from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
-from kwarm_ext.log import fail_open
 from kwarm_ext.kernels.runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
@@ -251,22 +250,13 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
     """Step 3 of the module docstring: the summary's words for what happened."""
     if not sizes:
         return "nothing to compile ahead"
-    try:
-        jit = triton_compat.resolve(_KERNEL_MODULE, KERNEL).jit
-    except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests), or moved
-        return f"no compile ahead ({exc})"
-    t0 = time.perf_counter()
-    # an optimization only: the warm runs below compile one by one
-    with fail_open("fused_moe: compile ahead failed, compiling one token count at a time") as outcome:
-        with triton_compat.parallel_compiles(threads) as parallel:
-            if not parallel:
-                return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
-            with triton_compat.launches_compile_only(jit):
-                for m in sizes:
-                    dummy_run(m)
-    if outcome.error is not None:
-        return f"compile ahead failed ({type(outcome.error).__name__})"
-    return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
+
+    def run():
+        for m in sizes:
+            dummy_run(m)
+
+    return triton_compat.compile_ahead([(_KERNEL_MODULE, KERNEL)], run, threads,
+                                       "fused_moe: compile ahead failed, compiling one token count at a time")
 
 
 def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1,

@@ -55,9 +55,8 @@ import time
 
 from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
-from kwarm_ext.log import fail_open
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
-                                                groups_of, metadata_builder)
+                                                groups_of, metadata_builder, vllm_config)
 from kwarm_ext.kernels.runner import classes_for, synchronize
 from kwarm_ext.triton_compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, resolve
@@ -151,15 +150,11 @@ def target_of(view, group, label: str) -> Target:
     max_tokens = view.max_num_batched_tokens
     if not isinstance(max_reqs, int) or not isinstance(max_tokens, int):
         raise Missing(f"{label}: max_num_seqs / max_num_batched_tokens unknown")
-    dtype = getattr(layer, "dtype", None) or getattr(getattr(_vllm_config(view), "model_config", None), "dtype", None)
+    dtype = getattr(layer, "dtype", None) or getattr(getattr(vllm_config(view), "model_config", None), "dtype", None)
     if dtype is None:
         raise Missing(f"{label}: the model's dtype is unknown")
     return Target(label, layer, kv_cache, builder, functools.partial(block_table, view, group_id),
                   kv_cache.device, dtype, max_reqs, max_tokens)
-
-
-def _vllm_config(view):
-    return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)
 
 
 # ---------------------------------------------------------------------------- one batch
@@ -190,35 +185,29 @@ def run_batch(target: Target, batch: Batch) -> None:
 @contextlib.contextmanager
 def observed_launches(kernels: dict, *, launch: bool):
     """Inside the block each launch of `kernels` appends ``(name, key)`` to the yielded list;
-    with `launch` false nothing compiles or runs (the kernel returns None).
-
-    Why this patch exists: the key of a launch is known only once vLLM's ``unified_attention``
-    has computed its arguments from the batch; recording the launch is how the batch's
-    specialization is read without replicating that code. An instance attribute ``run``
-    shadows the class method for these kernel objects and is removed on leaving. Needed for
-    every vLLM release with this backend (0.20-0.33); it goes with this family."""
+    with `launch` false nothing compiles or runs (the kernel returns None). The key of a
+    launch is known only once vLLM's ``unified_attention`` has computed its arguments from the
+    batch: recording the launch (``triton_compat.shadowed_runs``, whose docstring says why and
+    until when) reads the batch's specialization without replicating that code."""
     seen: list = []
+    names = {id(kernel): name for name, kernel in kernels.items()}
 
-    def recorder(name, kernel, original):
+    def recording(kernel, original):
         def run(*args, grid=None, warmup=False, **kwargs):
-            seen.append((name, launch_key(kernel, args, kwargs)))
+            seen.append((names[id(kernel)], launch_key(kernel, args, kwargs)))
             return original(*args, grid=grid, warmup=warmup, **kwargs) if launch else None
+
         return run
 
-    for name, kernel in kernels.items():
-        kernel.run = recorder(name, kernel, kernel.run)
-    try:
+    with triton_compat.shadowed_runs(kernels.values(), recording):
         yield seen
-    finally:
-        for kernel in kernels.values():
-            vars(kernel).pop("run", None)
 
 
 def launch_key(kernel, args, kwargs) -> tuple:
     """What Triton keys a launch on, readably: ``((param, value), ...)`` with constexprs by
     value, specialized integers by class, tensors by dtype, floats as ``fp``. Pointer
     alignment is left out (every tensor here is a fresh, aligned allocation)."""
-    names = _param_names(kernel)
+    names = triton_compat.param_names(kernel)
     bound = dict(zip(names, args), **kwargs)
     out = []
     for name in names:
@@ -236,18 +225,6 @@ def launch_key(kernel, args, kwargs) -> tuple:
         else:
             out.append((name, str(getattr(value, "dtype", type(value).__name__))))
     return tuple(out)
-
-
-def _param_names(kernel) -> list:
-    fn = kernel
-    while not hasattr(fn, "arg_names") and getattr(fn, "fn", None) is not None:
-        fn = fn.fn
-    names = getattr(fn, "arg_names", None)
-    if names is None:
-        import inspect
-
-        names = list(inspect.signature(fn).parameters)
-    return list(names)
 
 
 def decision(key: tuple) -> tuple:
@@ -321,24 +298,14 @@ def choose_batches(target: Target, kernels: dict) -> tuple[list, int]:
 # ---------------------------------------------------------------------------- warm
 
 def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) -> str:
-    try:
-        jits = [triton_compat.resolve(OPS_MODULE, name).jit for name in kernels]
-    except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests)
-        return f"no compile ahead ({exc})"
-    t0 = time.perf_counter()
-    # an optimization only: the launches below compile one by one
-    with fail_open(f"triton_attn: {target.label}: compile ahead failed, compiling one batch at a time") as outcome:
-        with triton_compat.parallel_compiles(threads) as parallel:
-            if not parallel:
-                return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
-            with contextlib.ExitStack() as stack:
-                for jit in jits:
-                    stack.enter_context(triton_compat.launches_compile_only(jit))
-                for batch in batches:
-                    run_batch(target, batch)
-    if outcome.error is not None:
-        return f"compile ahead failed ({type(outcome.error).__name__})"
-    return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
+    """Step 2 of the module docstring: the summary's words for what happened."""
+
+    def run():
+        for batch in batches:
+            run_batch(target, batch)
+
+    return triton_compat.compile_ahead([(OPS_MODULE, name) for name in kernels], run, threads,
+                                       f"triton_attn: {target.label}: compile ahead failed, compiling one batch at a time")
 
 
 def warm(target: Target, kernels: dict, tp_size) -> list:

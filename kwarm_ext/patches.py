@@ -1,4 +1,4 @@
-"""kwarm's monkey-patches of vLLM, declared in one table (:func:`_patches`: target, wrapper,
+"""kwarm's monkey-patches of vLLM, declared in one table (``PATCHES``, at the end: target, wrapper,
 releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
 The three: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
 warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
@@ -103,18 +103,6 @@ class Patch:
         return True
 
 
-def _patches() -> tuple:
-    """The table: every vLLM patch kwarm installs, in one place (the wrappers are below)."""
-    return (
-        Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33", "kwarm's warmup will not run",
-              announce="kwarm's warmup runs after vLLM's"),
-        Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
-              "kwarm's after-capture steps will not run", owner="Worker"),
-        Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
-              "the front-end warmup will not run", owner="InputProcessor"),
-    )
-
-
 _installed = False
 
 
@@ -125,7 +113,7 @@ def install() -> None:
         return
     import wrapt
 
-    for entry in _patches():
+    for entry in PATCHES:
         wrapt.register_post_import_hook(_hook(entry), entry.module)
     _installed = True
 
@@ -141,46 +129,34 @@ def _hook(entry: Patch):
     return hook
 
 
-def _entry(wrapper) -> Patch:
-    return next(p for p in _patches() if p.wrapper is wrapper)
-
-
-# The names the rest of kwarm, doctor and the tests use, one per patch.
+# The names the rest of kwarm, doctor and the tests use.
 def patch(module) -> bool:
-    return _entry(_wrap_kernel_warmup).apply(module)
+    return KERNEL_WARMUP.apply(module)
 
 
 def unpatch(module) -> bool:
-    return _entry(_wrap_kernel_warmup).remove(module)
+    return KERNEL_WARMUP.remove(module)
 
 
 def is_patched(module) -> bool:
-    return _entry(_wrap_kernel_warmup).applied(module)
+    return KERNEL_WARMUP.applied(module)
 
 
 def patch_after_capture(module) -> bool:
-    return _entry(_wrap_compile_or_warm_up_model).apply(module)
-
-
-def unpatch_after_capture(module) -> bool:
-    return _entry(_wrap_compile_or_warm_up_model).remove(module)
+    return AFTER_CAPTURE.apply(module)
 
 
 def is_after_capture_patched(module) -> bool:
-    return _entry(_wrap_compile_or_warm_up_model).applied(module)
+    return AFTER_CAPTURE.applied(module)
 
 
 def after_capture_class(module):
     """``module.Worker`` where it has a ``compile_or_warm_up_model`` to wrap, else None."""
-    return _entry(_wrap_compile_or_warm_up_model).holder(module)
+    return AFTER_CAPTURE.holder(module)
 
 
 def patch_input_processor(module) -> bool:
-    return _entry(_wrap_input_processor_init).apply(module)
-
-
-def unpatch_input_processor(module) -> bool:
-    return _entry(_wrap_input_processor_init).remove(module)
+    return INPUT_PROCESSOR.apply(module)
 
 
 def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
@@ -229,3 +205,13 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
 
         frontend.warm(instance)
     return result
+
+
+# The table: every vLLM patch kwarm installs (each wrapper above says why and until when).
+KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
+                      "kwarm's warmup will not run", announce="kwarm's warmup runs after vLLM's")
+AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
+                      "kwarm's after-capture steps will not run", owner="Worker")
+INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
+                        "the front-end warmup will not run", owner="InputProcessor")
+PATCHES = (KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

@@ -466,29 +466,67 @@ def compile_threads(tp_size) -> int:
 
 
 @contextlib.contextmanager
-def launches_compile_only(jit):
-    """Inside the block, launches of `jit` (``kernel[grid](...)``) compile without running:
-    Triton's own ``run(..., warmup=True)``, what ``JITFunction.warmup`` calls. Inside
-    :func:`parallel_compiles` each such compile goes to the pool and the caller moves on, so a
-    loop of vLLM calls that each meet a new specialization compiles them all at once.
+def shadowed_runs(kernels, make_run):
+    """Inside the block, every launch of each of `kernels` (``kernel[grid](...)`` calls
+    ``kernel.run``) goes through ``make_run(kernel, original_run)`` instead.
 
     Why this patch exists: vLLM computes a kernel's launch arguments (tile config, padded
-    sizes) deep in its own Python code; letting that code run and turning only the launch
-    into a compile is how the arguments stay production's. An instance attribute ``run``
-    shadows the class method for this one JITFunction and is removed on leaving. Needed
-    with every Triton kwarm supports (3.4-3.7); it can go when Triton compiles from a
-    launch's arguments asynchronously by itself. The kernel's outputs are not written, so
-    only use it around calls whose results are discarded."""
-    original = jit.run
-
-    def run(*args, grid=None, warmup=False, **kwargs):
-        return original(*args, grid=grid, warmup=True, **kwargs)
-
-    jit.run = run
+    sizes, the 2D/3D choice) deep in its own Python code; letting that code run and changing
+    only what the launch does (compile without running, or record the key) is how the
+    arguments stay production's. An instance attribute ``run`` shadows the class method for
+    these kernel objects only and is removed on leaving. Needed with every Triton kwarm
+    supports (3.4-3.7), by :func:`launches_compile_only` and ``triton_attn``'s launch
+    recording; it can go with them."""
+    kernels = list(kernels)
+    for kernel in kernels:
+        kernel.run = make_run(kernel, kernel.run)
     try:
         yield
     finally:
-        vars(jit).pop("run", None)
+        for kernel in kernels:
+            vars(kernel).pop("run", None)
+
+
+def launches_compile_only(*jits):
+    """Inside the block, launches of `jits` compile without running: Triton's own
+    ``run(..., warmup=True)``, what ``JITFunction.warmup`` calls. Inside
+    :func:`parallel_compiles` each such compile goes to the pool and the caller moves on, so a
+    loop of vLLM calls that each meet a new specialization compiles them all at once. The
+    kernels' outputs are not written: only around calls whose results are discarded."""
+
+    def compile_only(kernel, original):
+        def run(*args, grid=None, warmup=False, **kwargs):
+            return original(*args, grid=grid, warmup=True, **kwargs)
+
+        return run
+
+    return shadowed_runs(jits, compile_only)
+
+
+def compile_ahead(kernels, run: Callable[[], None], threads: int, failure: str) -> str:
+    """Call `run` (vLLM code that launches `kernels`, ``(module, qualname)`` pairs) with those
+    launches turned into compiles on `threads` threads (:func:`launches_compile_only` inside
+    :func:`parallel_compiles`): every specialization `run` meets compiles at once. Returns the
+    words for a summary line. An optimization only: a failure is one line, `failure`, under
+    kwarm's failure policy (``log.fail_open``), and the caller's real launches compile instead."""
+    import time
+
+    from kwarm_ext.log import fail_open
+
+    try:
+        jits = [resolve(module, qualname).jit for module, qualname in kernels]
+    except Unresolvable as exc:  # Triton's interpreter (CPU tests)
+        return f"no compile ahead ({exc})"
+    t0 = time.perf_counter()
+    with fail_open(failure) as outcome:
+        with parallel_compiles(threads) as parallel:
+            if not parallel:
+                return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
+            with launches_compile_only(*jits):
+                run()
+    if outcome.error is not None:
+        return f"compile ahead failed ({type(outcome.error).__name__})"
+    return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
 
 
 @contextlib.contextmanager
@@ -745,8 +783,17 @@ def tiny_launch() -> None:
     torch.cuda.synchronize(device)
 
 
-def param_names(jit) -> list[str]:
-    return list(jit.arg_names)
+def param_names(kernel) -> list[str]:
+    """A kernel's parameter names: its JITFunction's (through Autotuner/Heuristics wrappers),
+    or, under Triton's interpreter, the Python function's signature."""
+    fn = kernel
+    while not hasattr(fn, "arg_names") and getattr(fn, "fn", None) is not None:
+        fn = fn.fn
+    if hasattr(fn, "arg_names"):
+        return list(fn.arg_names)
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
 
 
 # ---------------------------------------------------------------------------- autotuning

@@ -167,7 +167,7 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
 
     from kwarm_ext import patches
 
-    for entry in patches._patches():
+    for entry in patches.PATCHES:
         module = importlib.import_module(entry.module)
         entry.remove(module)  # whatever an earlier test left
         original = entry.current(module)
@@ -177,6 +177,6 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
         assert entry.remove(module) is True and not entry.applied(module), entry.target
         assert entry.current(module) is original, f"{entry.target}: not the original after remove"
         assert entry.remove(module) is False
-    assert {e.target for e in patches._patches()} == {
+    assert {e.target for e in patches.PATCHES} == {
         "vllm.v1.worker.gpu_worker.kernel_warmup", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
         "vllm.v1.engine.input_processor.InputProcessor.__init__"}
