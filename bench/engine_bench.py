@@ -182,6 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gdn-prefill-backend", default="triton",
                    help="additional_config gdn_prefill_backend for GDN models; 'default' leaves vLLM's")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's max_num_batched_tokens (default: vLLM's, 16384 for LLM on an H200; "
+                        "`vllm serve` uses 8192); it bounds the token counts vLLM's DeepGEMM warmup runs")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="TP > 1 runs workers in their own processes: kwarm's per-rank reports are read "
                         "(kwarm_warmup_s_ranks), but Triton compiles there are not counted per request")
@@ -243,6 +246,8 @@ def engine_kwargs(args: argparse.Namespace, model_path: Path, cfg: dict) -> dict
               jit_monitor_verbose=True)  # vLLM logs every request-time compile with its key
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
+    if getattr(args, "max_num_batched_tokens", None):
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.cudagraph == "off":
         kw["compilation_config"] = {"cudagraph_mode": "NONE"}
     if is_gdn_model(cfg) and args.gdn_prefill_backend not in (None, "", "default"):

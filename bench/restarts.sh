@@ -16,8 +16,9 @@
 # Environment (defaults): VER=0.24.0, STAGED=/tmp/kwarm-gpu, WORK=/tmp/kwarm-bench, MODELS (the
 # two tiny models), VARIANTS="on off", ROUNDS=1, SCENARIO=pairs, GPU_UTIL=0.2, KV_BYTES=4G,
 # CUDA_PROFILE="" (e.g. "0,1": those requests under torch.profiler, engine_bench --cuda-profile)
-# for the variants matching CUDA_PROFILE_RUNS="*", BUDGET=570 (seconds for the whole script),
-# INSTALL=0 (1: install kwarm from this tree first, as gpu_run.sh does), PY=python3.
+# for the variants matching CUDA_PROFILE_RUNS="*", PROFILE="" (e.g. "0,1": those requests under
+# cProfile, engine_bench --profile; raw stats beside the results) for the same variants, BUDGET=570 (seconds for the whole script),
+# BENCH_ARGS="" (extra engine_bench.py arguments, e.g. "--max-num-batched-tokens 8192"), INSTALL=0 (1: install kwarm from this tree first, as gpu_run.sh does), PY=python3.
 set -uo pipefail
 shopt -s nullglob
 cd "$(dirname "$0")/.." || exit 1
@@ -33,6 +34,8 @@ GPU_UTIL=${GPU_UTIL:-0.2}
 KV_BYTES=${KV_BYTES:-4G}
 CUDA_PROFILE=${CUDA_PROFILE:-}
 CUDA_PROFILE_RUNS=${CUDA_PROFILE_RUNS:-*}
+PROFILE=${PROFILE:-}
+BENCH_ARGS=${BENCH_ARGS:-}
 BUDGET=${BUDGET:-570}
 INSTALL=${INSTALL:-0}
 PY=${PY:-python3}
@@ -71,8 +74,12 @@ restart() {  # restart MODEL VARIANT ROUND
     [ -f "$manifest" ] && envs+=("KWARM_MANIFEST=$manifest")
   fi
   case $model in *qwen3-next*|*qwen3-5*) extra+=(--attention-backend TRITON_ATTN) ;; esac
+  # shellcheck disable=SC2206  # words on purpose
+  [ -n "$BENCH_ARGS" ] && extra+=($BENCH_ARGS)
   # shellcheck disable=SC2053  # a pattern
   [ -n "$CUDA_PROFILE" ] && [[ $variant == $CUDA_PROFILE_RUNS ]] && extra+=(--cuda-profile "$CUDA_PROFILE")
+  # shellcheck disable=SC2053  # a pattern
+  [ -n "$PROFILE" ] && [[ $variant == $CUDA_PROFILE_RUNS ]] && extra+=(--profile "$PROFILE")
   local left=$(( DEADLINE - $(date +%s) - 15 ))
   if [ "$left" -lt 60 ]; then echo "$tag: skipped (${left}s left)"; return 99; fi
   local t0=$(date +%s) rc

@@ -10,6 +10,10 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   skip reason instead of running;
 - optionally ``details() -> dict``: read after the steps ran; its ``summary`` replaces the
   family's default text in the summary line, and the dict goes into the JSON report;
+- with ``ahead=True`` in the table, the family is planned and run just before vLLM's own
+  ``kernel_warmup`` (``kwarm_ext.warmup.ahead``), for work that makes vLLM's warmup
+  cheaper (``deep_gemm`` fills DeepGEMM's cache on every core before vLLM compiles serially);
+  its result is part of the worker's summary line and report;
 - with ``after_capture=True`` in the table, the family is planned and run once
   ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
   (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
@@ -34,6 +38,7 @@ class Family:
     module: str
     summary: str
     after_capture: bool = False  # planned and run after compile_or_warm_up_model
+    ahead: bool = False  # planned and run before vLLM's kernel_warmup
 
     def load(self):
         return importlib.import_module(self.module)
@@ -47,6 +52,7 @@ class Step:
     kernel: str
     run: Callable[[], list] | None = None
     skip: str | None = None
+    summary: bool = False  # its labels, once it ran, are the family's summary-line text
 
 
 # Order is run order: replay first, so that the hand-written families find its kernels compiled;
@@ -54,6 +60,10 @@ class Step:
 FAMILIES = {
     f.name: f
     for f in (
+        Family("deep_gemm", "kwarm_ext.kernels.deep_gemm",
+               "block-FP8 models: DeepGEMM's GEMM kernels that vLLM's DeepGEMM warmup compiles one "
+               "by one, compiled first on every core of the rank (child processes on the engine's "
+               "weights through CUDA IPC), so that vLLM's warmup loads them", ahead=True),
         Family("replay", "kwarm_ext.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists"),

@@ -160,9 +160,14 @@ def patch_input_processor(module) -> bool:
 
 
 def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
-    """Run vLLM's own ``kernel_warmup(worker, ...)``, then kwarm's warmup on the same worker."""
-    result = wrapped(*args, **kwargs)
+    """Run kwarm's ``ahead`` families, vLLM's own ``kernel_warmup(worker, ...)``, then kwarm's
+    warmup on the same worker."""
     worker = args[0] if args else kwargs.get("worker")
+    with fail_open("warmup ahead of vLLM's failed, vLLM's own warmup runs as before"):
+        from kwarm_ext import warmup
+
+        warmup.ahead(worker)  # isolates each of its own steps
+    result = wrapped(*args, **kwargs)
     with fail_open("warmup failed, the engine starts without it"):
         from kwarm_ext import warmup
 
@@ -209,7 +214,7 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
 
 # The table: every vLLM patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
-                      "kwarm's warmup will not run", announce="kwarm's warmup runs after vLLM's")
+                      "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
                       "kwarm's after-capture steps will not run", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",

@@ -1,5 +1,7 @@
 """kwarm's warmup, run on each worker right after vLLM's own ``kernel_warmup``.
 
+Before vLLM's ``kernel_warmup``, :func:`ahead` runs the families marked ``ahead`` (work that
+makes vLLM's own warmup cheaper); their results join this worker's summary and report.
 Order: the engine view, then each selected family's steps (``replay`` first), then, with
 ``KWARM_LEARN``, the recorder starts (``KWARM_LEARN=all``: before the families). Once
 ``Worker.compile_or_warm_up_model`` has returned (CUDA-graph capture done),
@@ -24,6 +26,7 @@ from kwarm_ext.families import FAMILIES
 
 logger = logging.getLogger("kwarm")
 _pending: dict = {}  # id(worker) -> (view, report) of its run, for after_capture
+_ahead: dict = {}  # id(worker) -> (results, seconds) of its ahead families, for run
 
 
 @dataclasses.dataclass
@@ -87,13 +90,15 @@ def run(worker) -> dict:
         logger.info("kwarm: engine view: %s", view.summary())
 
     learning = _start_learning(view) if settings.learn == "all" else None
-    results = [_run_family(name, view, settings) for name, family in FAMILIES.items() if not family.after_capture]
+    results, ahead_s = _ahead.pop(id(worker), ([], 0.0))
+    results = results + [_run_family(name, view, settings) for name, family in FAMILIES.items()
+                         if not (family.after_capture or family.ahead)]
     report["families"] = [dataclasses.asdict(r) for r in results]
     if settings.learn == "after":
         learning = _start_learning(view)
     if learning is not None:
         report["learn"] = {"manifest": learning.path, "newly_learned": learning.recorder.recorded}
-    report["total_s"] = round(time.perf_counter() - t0, 4)
+    report["total_s"] = round(time.perf_counter() - t0 + ahead_s, 4)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
     logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",
@@ -101,6 +106,23 @@ def run(worker) -> dict:
     _write(report, settings, rank)
     _pending[id(worker)] = (view, report)
     return report
+
+
+def ahead(worker) -> list:
+    """Run the selected ``ahead`` families on `worker`, before vLLM's own ``kernel_warmup``;
+    their results (and seconds) go into the summary line and report of :func:`run`."""
+    names = [name for name, family in FAMILIES.items() if family.ahead]
+    if not names:
+        return []
+    settings = config.get()
+    t0 = time.perf_counter()
+    try:
+        view = guarded("engine view", lambda: engine.build(worker))
+    except StepFailed:
+        view = None
+    results = [_run_family(name, view, settings) for name in names]
+    _ahead[id(worker)] = (results, time.perf_counter() - t0)
+    return results
 
 
 def after_capture(worker) -> dict | None:
@@ -169,9 +191,13 @@ def _run_family(name: str, view, settings) -> FamilyResult:
             current[0] = step.name
             result.steps.append(_run_step(name, step))
     result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key} for c in compiled]
+    labels = [label for step, record in zip(steps, result.steps)
+              if step.summary and record["status"] == "ran" for label in record["variants"]]
+    if labels:
+        result.details["summary"] = "; ".join(labels)
     if callable(getattr(module, "details", None)):
         try:
-            result.details = guarded(f"warmup family {name} (details)", module.details) or {}
+            result.details.update(guarded(f"warmup family {name} (details)", module.details) or {})
         except StepFailed:
             pass
     result.seconds = round(time.perf_counter() - t0, 4)

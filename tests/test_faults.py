@@ -81,6 +81,18 @@ def test_clean_run_reports_steps(hooked, test_family, kwarm_log, tmp_path):
     assert len(summary) == 1 and "testfam" in summary[0] and "2 kernels" in summary[0]
 
 
+def test_a_summary_steps_labels_are_the_familys_summary_text(hooked, test_family, kwarm_log):
+    test_family.plan = lambda view, forced: [
+        families.Step("ok", "k_ok", run=lambda: ["v1"]),
+        families.Step("s", "k_s", run=lambda: ["89 kernels new", "on 15 processes"], summary=True),
+        families.Step("s2", "k_s2", run=lambda: ["never shown"], summary=True, skip="not here")]
+    hooked()
+    gpu_worker.kernel_warmup(stand_in_worker())
+    summary = [m for m in kwarm_log.messages(0) if "warmup done" in m]
+    assert len(summary) == 1 and "testfam " in summary[0]
+    assert summary[0].split("testfam ", 1)[1].split(": ", 1)[1].startswith("89 kernels new; on 15 processes;")
+
+
 def test_raising_step_is_isolated(hooked, test_family, kwarm_log, tmp_path):
     def boom():
         raise RuntimeError("kernel exploded")

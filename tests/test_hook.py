@@ -34,7 +34,7 @@ def test_patch_wraps_the_real_attribute_once(unpatched):
     assert gpu_worker.kernel_warmup is defining_module.kernel_warmup
 
 
-def test_wrapper_calls_original_first_then_kwarm(unpatched, monkeypatch):
+def test_wrapper_runs_ahead_families_then_original_then_kwarm(unpatched, monkeypatch):
     # vLLM's real kernel_warmup needs a GPU worker; a recording stand-in takes its place
     # at the same attribute so that the order and the pass-through can be observed.
     from kwarm_ext import patches, warmup
@@ -46,10 +46,26 @@ def test_wrapper_calls_original_first_then_kwarm(unpatched, monkeypatch):
         return "vllm-result"
 
     monkeypatch.setattr(gpu_worker, "kernel_warmup", original)
+    monkeypatch.setattr(warmup, "ahead", lambda worker: calls.append(("ahead", worker)))
     monkeypatch.setattr(warmup, "run", lambda worker: calls.append(("kwarm", worker)))
     patches.patch(gpu_worker)
     assert gpu_worker.kernel_warmup("W", process_local_only=True) == "vllm-result"
-    assert calls == [("vllm", "W", True), ("kwarm", "W")]
+    assert calls == [("ahead", "W"), ("vllm", "W", True), ("kwarm", "W")]
+
+
+def test_a_failing_ahead_phase_is_one_warning_and_vllms_warmup_still_runs(unpatched, monkeypatch, kwarm_log):
+    from kwarm_ext import patches, warmup
+
+    calls = []
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker)) or "r")
+    monkeypatch.setattr(warmup, "ahead", lambda worker: 1 / 0)
+    monkeypatch.setattr(warmup, "run", lambda worker: calls.append(("kwarm", worker)))
+    patches.patch(gpu_worker)
+    assert gpu_worker.kernel_warmup("W") == "r"
+    assert calls == [("vllm", "W"), ("kwarm", "W")]
+    warnings = [r.getMessage() for r in kwarm_log.records if r.levelname == "WARNING"]
+    assert warnings == ["kwarm: warmup ahead of vLLM's failed, vLLM's own warmup runs as before: "
+                        "ZeroDivisionError: division by zero"]
 
 
 def test_original_exception_propagates_and_kwarm_does_not_run(unpatched, monkeypatch):
@@ -61,6 +77,7 @@ def test_original_exception_propagates_and_kwarm_does_not_run(unpatched, monkeyp
         raise ValueError("vLLM's own failure")
 
     monkeypatch.setattr(gpu_worker, "kernel_warmup", original)
+    monkeypatch.setattr(warmup, "ahead", lambda worker: None)
     monkeypatch.setattr(warmup, "run", lambda worker: ran.append(worker))
     patches.patch(gpu_worker)
     with pytest.raises(ValueError, match="vLLM's own failure"):

@@ -1,0 +1,265 @@
+"""deep_gemm: DeepGEMM's block-FP8 GEMM kernels, compiled on every core before vLLM's own
+DeepGEMM warmup runs.
+
+Why: on a block-FP8 model (DeepSeek-V3.2, GLM-5 checkpoints), ``kernel_warmup`` runs vLLM's
+DeepGEMM warmup (``VLLM_DEEP_GEMM_WARMUP``, ``vllm/model_executor/warmup/deep_gemm_warmup.py``):
+``fp8_gemm_nt`` at every token count up to ``max_num_batched_tokens`` (``full``, the default)
+for each linear weight shape, and ``m_grouped_fp8_gemm_nt_contiguous`` at its boundary counts
+for each MoE. Every new kernel configuration is compiled there by NVCC, one at a time, on one
+core: about 3.3 s per kernel on the H200 host (BENCHMARKS.md, "DeepGEMM's JIT"). The compiles
+are independent of each other, and DeepGEMM keeps each one in ``DG_JIT_CACHE_DIR``, which
+processes share: a kernel another process compiled is loaded, not compiled again.
+
+How: this family runs *ahead* of vLLM's ``kernel_warmup`` (``ahead=True`` in the table). It
+takes vLLM's own list of weights and token counts (the module filters and count lists of
+``deep_gemm_warmup``), probes one call, and when that call compiled (the cache is cold), cuts
+every weight's list into contiguous slices and runs them in child processes, one per core of
+this rank. The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
+the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
+their outputs are thrown away). vLLM's warmup then loads every kernel from the cache. On a
+warm cache the probe is a load (milliseconds) and nothing is spawned.
+
+Upstream: vLLM 0.20-0.33 compile these kernels serially (``deep_gemm_warmup``); vLLM issue
+#49905 is about the entry points that warmup misses, not its speed. This family can go when
+vLLM compiles DeepGEMM's kernels in parallel (or ships them prebuilt).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+
+from kwarm_ext import triton_compat
+from kwarm_ext.families import Step
+
+KERNEL = "deep_gemm.fp8_gemm_nt"
+TRITON_KERNELS = ()  # DeepGEMM is not Triton
+WARMUP_MODULE = "vllm.model_executor.warmup.deep_gemm_warmup"
+_WARMUP_NAMES = ("_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module",
+                 "_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
+                 "_extract_data_from_fused_moe_module", "_get_grouped_gemm_params")
+COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load takes milliseconds)
+CHILD_TIMEOUT_S = 1800.0
+MAX_CHILDREN = 16
+CHILD_GPU_BYTES = 1 << 30  # a child's CUDA context and DeepGEMM's workspace, with room to spare
+
+
+def applies(view) -> str | None:
+    if view.runner is None:
+        return "no model runner"
+    if not (view.device or "").startswith("cuda"):
+        return f"runner device {view.device or 'unknown'} is not CUDA"
+    try:
+        import vllm.envs as envs
+        from vllm.utils import deep_gemm
+    except ImportError as exc:
+        return f"vLLM {view.vllm_version} has no DeepGEMM support ({exc})"
+    if envs.VLLM_DEEP_GEMM_WARMUP == "skip":
+        return "VLLM_DEEP_GEMM_WARMUP=skip: vLLM leaves DeepGEMM's compiles to the requests"
+    if not deep_gemm.is_deep_gemm_supported():
+        return "DeepGEMM is not in use (VLLM_USE_DEEP_GEMM, GPU or package)"
+    try:
+        warmup = __import__(WARMUP_MODULE, fromlist=["_"])
+    except ImportError:
+        return f"vLLM {view.vllm_version} has no DeepGEMM warmup to run ahead of"
+    missing = [name for name in _WARMUP_NAMES if not hasattr(warmup, name)]
+    if missing:
+        return f"vLLM {view.vllm_version}'s DeepGEMM warmup lacks {', '.join(missing)}"
+    return None
+
+
+def plan(view, forced) -> list:
+    jobs = gemm_jobs(view.worker.get_model(), view.max_num_batched_tokens)
+    if not jobs:
+        return [Step("block-FP8 GEMMs", KERNEL, skip="no layer runs on DeepGEMM")]
+    calls = sum(len(job["counts"]) for job in jobs)
+    return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL,
+                 run=lambda: compile_ahead(jobs, view.device, view.tp_size), summary=True)]
+
+
+def gemm_jobs(model, max_tokens: int) -> list:
+    """What vLLM's DeepGEMM warmup will run, with vLLM's own filters and lists: one job per
+    distinct weight, ``{"kind": "linear"|"grouped", "w", "ws", "counts": [(m, align,
+    expert_ids)]}`` (``align`` and ``expert_ids`` are None for linear layers). Weights vLLM's
+    warmup already ran in this process are left out, as it leaves them out."""
+    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
+    jobs, seen = [], set(getattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", ()))
+    seen_grouped = set(getattr(w_mod, "GROUPED_FP8_GEMM_NT_CONTIGUOUS_WARMUP_CACHE", ()))
+    for module in model.modules():
+        if w_mod._fp8_linear_may_use_deep_gemm(module):
+            w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
+            if w.size() in seen:
+                continue
+            seen.add(w.size())
+            counts = [(m, None, None) for m in w_mod._get_fp8_gemm_nt_m_values(w, max_tokens)]
+            jobs.append({"kind": "linear", "w": w, "ws": ws, "counts": counts})
+        elif w_mod._fused_moe_grouped_gemm_may_use_deep_gemm(module):
+            w13, w13_s, w2, w2_s, top_k = w_mod._extract_data_from_fused_moe_module(module)
+            _, _, cases = w_mod._get_grouped_gemm_params(w13, w2, top_k, max_tokens)
+            for w, ws in ((w13, w13_s), (w2, w2_s)):
+                if cases and w.size() not in seen_grouped:
+                    seen_grouped.add(w.size())
+                    jobs.append({"kind": "grouped", "w": w, "ws": ws, "counts": list(cases)})
+    return jobs
+
+
+def slices(values: list, parts: int) -> list:
+    """`values` cut into at most `parts` contiguous, non-empty runs of near-equal length, in
+    order: neighbouring token counts mostly share a kernel, so a kernel is compiled by one
+    child, or by two at a run's edge."""
+    parts = max(1, min(parts, len(values)))
+    bounds = [len(values) * i // parts for i in range(parts + 1)]
+    return [values[bounds[i]:bounds[i + 1]] for i in range(parts)]
+
+
+def compile_ahead(jobs: list, device: str, tp_size) -> list:
+    """Probe the first job's first count here; on a cold cache, every count of every job on
+    child processes. Returns the step's labels (what ran, where, what it left in the cache)."""
+    import torch
+
+    cache = _cache_dir()
+    before = cached_kernels(cache)
+    buffers = _buffers(jobs, device)
+    t0 = time.perf_counter()
+    run_counts(jobs[:1], [jobs[0]["counts"][:1]], buffers)
+    torch.cuda.synchronize(device)
+    probe_s = time.perf_counter() - t0
+    if probe_s < COLD_PROBE_S:
+        return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+    children = max(1, min(MAX_CHILDREN, triton_compat.compile_threads(tp_size) - 1,  # a core stays with the engine
+                          torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
+    per_child = assign([job["counts"] for job in jobs], children)
+    outcomes = run_children(per_child, jobs, buffers, device)
+    return [f"probe {probe_s:.1f} s (compiled); {sum(len(t) for t in per_child)} slices on "
+            f"{len(outcomes)} processes; {cached_kernels(cache) - before} kernels new in {cache}"]
+
+
+def assign(counts_per_job: list, children: int) -> list:
+    """Each child's tasks, ``[(job index, contiguous counts)]``: child i gets slice i of every
+    job's list, so every child works on every weight and no count runs twice."""
+    work = [slices(counts, children) for counts in counts_per_job]
+    per_child = [[(j, part[i]) for j, part in enumerate(work) if i < len(part)] for i in range(children)]
+    return [tasks for tasks in per_child if tasks]
+
+
+def _cache_dir() -> str:
+    """Where vLLM points DeepGEMM (``DG_JIT_CACHE_DIR``, set by vLLM's first DeepGEMM use)."""
+    from vllm.utils import deep_gemm
+
+    init = getattr(deep_gemm, "_lazy_init", None)
+    if init is not None:
+        init()
+    return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+
+
+def cached_kernels(cache: str) -> int:
+    """The kernel directories (``kernel.<name>.<hash>``) under DeepGEMM's cache."""
+    count = 0
+    for _, dirs, _ in os.walk(cache):
+        count += sum(d.startswith("kernel.") for d in dirs)
+    return count
+
+
+def _buffers(jobs: list, device: str) -> dict:
+    """One scratch set for every job: activations (FP8), their scales and outputs (bf16),
+    flat, as large as the largest job needs (vLLM's warmup allocates the same per weight)."""
+    import torch
+
+    def need(job, per_row):
+        return max(m for m, _, _ in job["counts"]) * per_row(job["w"])
+
+    a = max(need(j, lambda w: w.shape[-1]) for j in jobs)
+    scale = max(need(j, lambda w: -(-w.shape[-1] // 128)) for j in jobs)
+    out = max(need(j, lambda w: w.shape[-2]) for j in jobs)
+    return {"a": torch.empty(a, device=device, dtype=torch.float8_e4m3fn),
+            "scale": torch.empty(scale, device=device, dtype=torch.float32),
+            "out": torch.empty(out, device=device, dtype=torch.bfloat16)}
+
+
+def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
+    """Call vLLM's DeepGEMM entry for each (job, its counts); returns the number of calls."""
+    from vllm.utils import deep_gemm
+
+    calls = 0
+    for job, counts in zip(jobs, counts_per_job):
+        w, ws = job["w"], job["ws"]
+        n, k = w.shape[-2], w.shape[-1]
+        for m, align, expert_ids in counts:
+            a = buffers["a"][:m * k].view(m, k)
+            a_s = buffers["scale"][:m * -(-k // 128)].view(m, -(-k // 128))
+            out = buffers["out"][:m * n].view(m, n)
+            if job["kind"] == "linear":
+                deep_gemm.fp8_gemm_nt((a, a_s), (w, ws), out)
+            else:
+                with deep_gemm.mk_alignment_scope(align):
+                    deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_s), (w, ws), out, expert_ids)
+            calls += 1
+    return calls
+
+
+def run_children(per_child: list, jobs: list, buffers: dict, device: str) -> list:
+    """One child process per task list, all at once; each gets the jobs' tensors and the
+    buffers through CUDA IPC (torch's multiprocessing pickler) on its stdin. Returns each
+    child's ``{"calls", "seconds"}``; a child that fails raises with its last error line."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    index = torch.device(device).index or 0
+    env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
+    procs = []
+    # stdout and stderr to files: a child's vLLM log lines never fill a pipe nobody reads yet
+    for tasks in per_child:
+        used = sorted({j for j, _ in tasks})
+        payload = {"device": index, "jobs": {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]}
+                                              for j in used},
+                   "tasks": tasks, "buffers": buffers}
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm import child; child()"],
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
+        try:
+            proc.stdin.write(bytes(ForkingPickler.dumps(payload)))
+            proc.stdin.close()
+        except BrokenPipeError:  # it died at start: its stderr says why, below
+            pass
+        procs.append((proc, out, err))
+    outcomes, failures = [], []
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    for proc, out, err in procs:  # `jobs` and `buffers` stay alive here until every child is done
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        last = [line for line in out.read().decode(errors="replace").splitlines() if line.startswith("{")]
+        if proc.returncode == 0 and last:
+            outcomes.append(json.loads(last[-1]))
+        else:
+            lines = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
+            failures.append(f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
+        out.close()
+        err.close()
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(procs)} DeepGEMM compile processes failed; first: {failures[0]}")
+    return outcomes
+
+
+def child() -> None:
+    """A compile process: read the pickled payload from stdin, run its token counts, print
+    one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC."""
+    import torch
+
+    payload = pickle.loads(sys.stdin.buffer.read())  # maps the IPC handles on their device
+    torch.cuda.set_device(payload["device"])
+    torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
+    jobs = [dict(payload["jobs"][j]) for j, _ in payload["tasks"]]
+    t0 = time.perf_counter()
+    calls = run_counts(jobs, [counts for _, counts in payload["tasks"]], payload["buffers"])
+    torch.cuda.synchronize()
+    print(json.dumps({"calls": calls, "seconds": round(time.perf_counter() - t0, 3)}), flush=True)

@@ -1,0 +1,128 @@
+"""The ``deep_gemm`` family: DeepGEMM's kernels compiled on every core ahead of vLLM's warmup.
+
+DeepGEMM, its block-FP8 layers and CUDA IPC cannot exist on this machine; what runs here is
+the family's own logic against the real vLLM: when it applies, how it cuts vLLM's token-count
+lists among child processes, which weights it takes from a model (vLLM's own filters stood in
+for, since they call into DeepGEMM), how the warmup runs it before vLLM's ``kernel_warmup`` and
+how a failing child is reported. What it saves is measured on the GPU (BENCHMARKS.md, FP8).
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kwarm_ext import engine, warmup
+from kwarm_ext.families import FAMILIES
+from kwarm_ext.kernels import deep_gemm as dg
+from test_faults import stand_in_worker
+
+
+def test_slices_are_contiguous_cover_everything_once_and_are_balanced():
+    values = list(range(1, 101))
+    for parts in (1, 3, 7, 16, 100, 250):
+        cut = dg.slices(values, parts)
+        assert [v for part in cut for v in part] == values
+        assert len(cut) == min(parts, len(values))
+        assert max(map(len, cut)) - min(map(len, cut)) <= 1
+        assert all(part == list(range(part[0], part[-1] + 1)) for part in cut)
+
+
+def test_assign_gives_each_child_one_slice_of_every_weight_and_no_count_twice():
+    counts = [list(range(1, 8193)), list(range(1, 5)), [(64, 128, "ids"), (4096, 128, "ids2")]]
+    per_child = dg.assign(counts, 15)
+    assert len(per_child) == 15
+    for j, job in enumerate(counts):
+        got = [c for tasks in per_child for k, part in tasks if k == j for c in part]
+        assert got == job, f"job {j}: every count once, in order"
+    assert [k for k, _ in per_child[0]] == [0, 1, 2]
+    assert [k for k, _ in per_child[14]] == [0], "short lists end early; the long one reaches every child"
+    assert dg.assign([[1]], 8) == [[(0, [1])]]
+
+
+def test_is_an_ahead_family_and_applies_only_where_vllm_runs_deepgemm(monkeypatch):
+    assert FAMILIES["deep_gemm"].ahead and not FAMILIES["deep_gemm"].after_capture
+    view = engine.EngineView(vllm_version="0.24.0", device="cpu", runner=object())
+    assert dg.applies(view) == "runner device cpu is not CUDA"
+    assert dg.applies(engine.EngineView(device="cuda:0")) == "no model runner"
+    view.device = "cuda:0"
+    # the real vLLM decides: no DeepGEMM package or Hopper GPU here
+    assert dg.applies(view) == "DeepGEMM is not in use (VLLM_USE_DEEP_GEMM, GPU or package)"
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    assert dg.applies(view).startswith("VLLM_DEEP_GEMM_WARMUP=skip")
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, n, k):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(n, k), requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(torch.empty(n // 128, k // 128), requires_grad=False)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, e, n, k):
+        super().__init__()
+        self.w13 = torch.empty(e, 2 * n, k)
+        self.w2 = torch.empty(e, k, n)
+
+
+def test_jobs_are_vllms_weights_and_counts_one_per_distinct_shape(monkeypatch):
+    # vLLM's filters and extractors call into DeepGEMM (absent here): stand-ins with their
+    # signatures and meaning; the counts are vLLM's own full list (1..max_tokens).
+    from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+
+    model = torch.nn.Sequential(_Linear(256, 512), _Linear(256, 512), _Linear(384, 256), _Experts(4, 256, 512))
+    monkeypatch.setattr(w_mod, "_fp8_linear_may_use_deep_gemm", lambda m: isinstance(m, _Linear))
+    monkeypatch.setattr(w_mod, "_extract_data_from_linear_base_module",
+                        lambda m: (m.weight, m.weight_scale_inv, [128, 128]))
+    monkeypatch.setattr(w_mod, "_fused_moe_grouped_gemm_may_use_deep_gemm", lambda m: isinstance(m, _Experts))
+    monkeypatch.setattr(w_mod, "_extract_data_from_fused_moe_module",
+                        lambda m: (m.w13, "s13", m.w2, "s2", 2))
+    monkeypatch.setattr(w_mod, "_get_grouped_gemm_params",
+                        lambda w1, w2, top_k, max_tokens: (256, 128, [(128, 128, "ids"), (256, 128, "ids")]))
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
+    jobs = dg.gemm_jobs(model, 64)
+    assert [(j["kind"], tuple(j["w"].shape)) for j in jobs] == [
+        ("linear", (256, 512)), ("linear", (384, 256)), ("grouped", (4, 512, 512)), ("grouped", (4, 512, 256))]
+    assert jobs[0]["counts"] == [(m, None, None) for m in range(1, 65)]
+    assert jobs[2]["ws"] == "s13" and jobs[3]["ws"] == "s2"
+    assert jobs[3]["counts"] == [(128, 128, "ids"), (256, 128, "ids")]
+    # a weight vLLM's warmup already ran in this process is left out, as vLLM leaves it out
+    monkeypatch.setattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", {torch.Size([256, 512])})
+    assert [tuple(j["w"].shape) for j in dg.gemm_jobs(model, 64)][:1] == [(384, 256)]
+
+
+def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
+    # a real child process, fed the real payload; here it cannot map CUDA (no driver), which
+    # is what any child failure looks like to the parent
+    import torch.multiprocessing as tmp
+
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # CPU tensors through a pipe (CUDA uses IPC handles)
+    try:
+        jobs = [{"kind": "linear", "w": torch.zeros(4, 4), "ws": torch.ones(1, 1), "counts": [(1, None, None)]}]
+        buffers = {"a": torch.zeros(16), "scale": torch.zeros(4), "out": torch.zeros(16)}
+        with pytest.raises(RuntimeError) as err:
+            dg.run_children([[(0, [(1, None, None)])], [(0, [(2, None, None)])]], jobs, buffers, "cuda:0")
+    finally:
+        tmp.set_sharing_strategy(old)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("2 of 2 DeepGEMM compile processes failed; first: exit 1: ")
+    assert "Error" in message.split("exit 1: ", 1)[1]
+
+
+def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_env, kwarm_log, tmp_path):
+    kwarm_env(KWARM_WARMUPS="deep_gemm,runner")
+    worker = stand_in_worker()
+    results = warmup.ahead(worker)
+    assert [(r.name, r.status, r.reason) for r in results] == [
+        ("deep_gemm", "skipped", "runner device cpu is not CUDA")]
+    report = warmup.run(worker)
+    names = [f["name"] for f in report["families"]]
+    assert names[0] == "deep_gemm" and names.count("deep_gemm") == 1, "run() does not plan it again"
+    done = [r.getMessage() for r in kwarm_log.records if "warmup done" in r.getMessage()]
+    assert len(done) == 1 and "deep_gemm (runner device cpu is not CUDA)" in done[0]
+    # without an ahead phase for this worker, run() neither plans nor lists it
+    assert "deep_gemm" not in [f["name"] for f in warmup.run(stand_in_worker())["families"]]
