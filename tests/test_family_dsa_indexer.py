@@ -185,7 +185,9 @@ def make_view(*, fp8=True, heads=64, eager=False, mode="FULL_AND_PIECEWISE", dcp
 
 
 TABLES = []  # (KV-cache group, rows) of every block table a step asked for
-_block_table = fam.block_table
+from kwarm_ext.kernels import attention_groups
+from kwarm_ext.kernels.dsa_indexer import chunk_metadata, common, index_conversion
+_block_table = attention_groups.block_table
 
 
 def recording_block_table(view, group_id, num_reqs):
@@ -193,7 +195,7 @@ def recording_block_table(view, group_id, num_reqs):
     return _block_table(view, group_id, num_reqs)
 
 
-fam.block_table = recording_block_table
+chunk_metadata.block_table = index_conversion.block_table = recording_block_table  # the parts that read tables
 
 
 def planned(view, forced):
@@ -216,11 +218,11 @@ def planned(view, forced):
 
 
 # -- symbols: resolved, and our calls bound to the real signatures ---------------------------
-fn = vllm_compat.resolve(fam._INDEXER + ":build_prefill_chunk_metadata")
-cfn = vllm_compat.resolve(fam._SPARSE_UTILS + ":triton_convert_req_index_to_global_index")
+fn = vllm_compat.resolve(common._INDEXER + ":build_prefill_chunk_metadata")
+cfn = vllm_compat.resolve(common._SPARSE_UTILS + ":triton_convert_req_index_to_global_index")
 view = make_view()
 args = fam.chunk_args(view, fn)
-group = fam._groups(view, fam.SPARSE_MLA_BACKEND)[0]
+group = attention_groups.groups_of(view, fam.SPARSE_MLA_BACKEND)[0]
 cargs = fam.convert_args(view, group, cfn)
 runtime, captured = fam.convert_variants(view, group)
 vllm_compat.bind(fn, *([None] * 9), query_slice=slice(0, 1), skip_kv_gather=False, **args.dcp)
