@@ -24,7 +24,6 @@ leaves to the requests is the probe's excess over the same calls repeated.
 """
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys

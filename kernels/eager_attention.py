@@ -45,7 +45,7 @@ Remove when:
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import dummy_runner, eager_range
+from kwarm_ext.kernels.model_runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing
 
 NAME = "eager_attention"

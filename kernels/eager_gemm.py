@@ -94,7 +94,7 @@ import dataclasses
 
 from kwarm_ext import budget, config
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import eager_range, runner_models
+from kwarm_ext.kernels.model_runner import eager_range, runner_models
 from kwarm_ext.vllm_compat import Missing, resolve
 
 NAME = "eager_gemm"

@@ -75,7 +75,7 @@ import time
 
 from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import dummy_runner, eager_range
+from kwarm_ext.kernels.model_runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
 NAME = "fused_moe"

@@ -75,8 +75,9 @@ import logging
 import types
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.runner import (INT_CLASSES, classes_for, int_key, split_by_key, split_steps,
-                                      synchronize, upstream_qwen_module)
+from kwarm_ext.kernels.model_runner import synchronize
+from kwarm_ext.kernels.specializations import INT_CLASSES, classes_for, int_key, split_by_key, split_steps
+from kwarm_ext.upstream import upstream_qwen_module
 from kwarm_ext.triton_compat import param_mode
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 

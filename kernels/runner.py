@@ -73,16 +73,17 @@ import contextlib
 import importlib
 import logging
 
+from kwarm_ext import upstream
 from kwarm_ext.families import Step
-from kwarm_ext.triton_compat import int_class, param_mode
-from kwarm_ext.vllm_compat import Missing, bind, params, resolve
+from kwarm_ext.kernels.model_runner import synchronize
+from kwarm_ext.kernels.specializations import INT_CLASSES, classes_for, partition, split_steps
+from kwarm_ext.triton_compat import param_mode
+from kwarm_ext.vllm_compat import Missing, bind, params, resolve, resolve_or_none
 
 logger = logging.getLogger("kwarm")
 
 NAME = "runner"
 
-# One value per Triton integer specialization class: ==1, "other", %16==0.
-INT_CLASSES = (1, 2, 16)
 # The only KV block this family ever names: the null block (see the module docstring).
 _WARM_BLOCK_ID = 0
 
@@ -163,28 +164,10 @@ def _zero_steps(view, forced: bool) -> list:
                        lambda: warm_zero_blocks(view.runner, zeroer, todo, use_warmup))
 
 
-def split_by_key(items, key_of, up_keys) -> tuple:
-    """(items whose ``key_of(item)`` is not in `up_keys`, the ones upstream already warms)."""
-    return (tuple(i for i in items if key_of(i) not in up_keys),
-            tuple(i for i in items if key_of(i) in up_keys))
 
 
-def partition(counts, mode: str, upstream) -> tuple:
-    """Split integer `counts` into (to warm, already warmed by upstream's ``(name, counts)``),
-    comparing the keys Triton would build for them."""
-    if upstream is None:
-        return tuple(counts), ()
-    return split_by_key(counts, lambda n: int_key(n, mode), {int_key(n, mode) for n in upstream[1]})
 
 
-def split_steps(name: str, kernel: str, todo, covered, up_name, run) -> list:
-    """A skipped ``name[upstream]`` step for what upstream covers, a running one for the rest."""
-    steps = []
-    if covered:
-        steps.append(Step(f"{name}[upstream]", kernel, skip=f"covered by upstream {up_name}"))
-    if todo:
-        steps.append(Step(name, kernel, run=run))
-    return steps
 
 
 # ---------------------------------------------------------------------------- upstream
@@ -193,14 +176,14 @@ def _upstream_slot_mapping(view):
     """(name, token counts upstream warms with the production key) or None."""
     if view.runner_kind == "V2" or view.is_pooling_model:
         return None
-    registry_kernel = _try_resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel")
+    registry_kernel = resolve_or_none("vllm.v1.worker.block_table:ComputeSlotMappingKernel")
     if registry_kernel is not None and hasattr(registry_kernel, "register_warmup"):
         enabled = _read(view, "kernel_config.enable_jit_warmup", True)
         if enabled is False:
             return None  # enforce_eager: the registry does not run
         return "jit_warmup_registry (ComputeSlotMappingKernel.register_warmup)", INT_CLASSES
-    warm = _try_resolve("vllm.model_executor.warmup.v1_block_table_warmup:warm_v1_block_table_kernels")
-    if warm is None or "runner" not in params(warm) or not _kernel_warmup_calls("warm_v1_block_table_kernels"):
+    warm = resolve_or_none("vllm.model_executor.warmup.v1_block_table_warmup:warm_v1_block_table_kernels")
+    if warm is None or "runner" not in params(warm) or not upstream.kernel_warmup_calls("warm_v1_block_table_kernels"):
         return None  # 0.25-0.26 fresh tables: not the production key
     mod = importlib.import_module("vllm.model_executor.warmup.v1_block_table_warmup")
     tokens = int(getattr(mod, "_SLOT_MAPPING_WARMUP_TOKENS", 8))
@@ -210,7 +193,7 @@ def _upstream_slot_mapping(view):
 def _upstream_zero(view, zeroer):
     if callable(getattr(zeroer, "warmup", None)):
         return "KVBlockZeroer.warmup (called by kernel_warmup)", (1,)
-    qwen = upstream_qwen_module(view)
+    qwen = upstream.upstream_qwen_module(view)
     if qwen is not None and hasattr(qwen, "_warm_zero_kv_blocks_with_runner_zeroer"):
         counts = tuple(getattr(qwen, "_ZERO_KV_N_BLOCKS", ()))
         if counts:
@@ -218,26 +201,8 @@ def _upstream_zero(view, zeroer):
     return None
 
 
-def upstream_qwen_module(view):
-    """vLLM's ``qwen_triton_warmup`` module when its ``kernel_warmup`` runs it for this model."""
-    if view.is_pooling_model or not _kernel_warmup_calls("qwen_triton_warmup"):
-        return None
-    try:
-        mod = importlib.import_module("vllm.model_executor.warmup.qwen_triton_warmup")
-    except ImportError:
-        return None
-    types = getattr(mod, "_QWEN_MODEL_TYPES", None)
-    if types is not None and view.model_type not in types:
-        return None
-    return mod
 
 
-def _kernel_warmup_calls(name: str) -> bool:
-    try:
-        mod = importlib.import_module("vllm.model_executor.warmup.kernel_warmup")
-    except ImportError:
-        return False
-    return callable(getattr(mod, name, None))
 
 
 # ---------------------------------------------------------------------------- warm calls
@@ -311,55 +276,10 @@ def warm_zero_blocks(runner, zeroer, counts, use_warmup: bool = False) -> list:
 
 # ---------------------------------------------------------------------------- eager steps (shared)
 
-def eager_range(view) -> tuple:
-    """(first, last) token count a step runs without a CUDA graph, from the runner's config."""
-    runner = view.runner
-    limits = [x for x in (view.max_num_batched_tokens, getattr(runner, "max_num_tokens", None))
-              if isinstance(x, int)]
-    last = min(limits, default=0)
-    compilation = getattr(runner, "compilation_config", None)
-    mode = getattr(compilation, "cudagraph_mode", None)
-    if view.enforce_eager or mode is None:
-        return 1, last
-    mixed = mode.mixed_mode() if callable(getattr(mode, "mixed_mode", None)) else mode
-    if getattr(mixed, "name", "NONE") == "NONE":
-        return 1, last
-    top = getattr(compilation, "max_cudagraph_capture_size", None)
-    if not isinstance(top, int):
-        top = max(getattr(compilation, "cudagraph_capture_sizes", None) or [0])
-    return int(top) + 1, last
 
 
-def runner_models(runner) -> list:
-    """The runner's models, each once: its own (``get_model()``, without the CUDA-graph
-    wrapper, else ``runner.model``), then a speculative drafter's; those not loaded are left out."""
-    models = []
-    candidates = [lambda: runner.get_model(), lambda: runner.model,
-                  lambda: runner.drafter.model, lambda: runner.speculator.model]
-    for get in candidates:
-        try:
-            model = get()
-        except Exception:  # absent, not loaded yet, or no drafter
-            continue
-        if callable(getattr(model, "modules", None)) and all(model is not m for m in models):
-            models.append(model)
-    return models
 
 
-def dummy_runner(runner, **extra):
-    """``lambda M: runner._dummy_run(M, cudagraph_runtime_mode=NONE, skip_eplb=True, **extra)``:
-    vLLM's own eager forward over dummy tokens (V1 runner), bound to this release's signature
-    first, so a change there is a logged skip."""
-    mode = resolve("vllm.config:CUDAGraphMode", "vllm.config.compilation:CUDAGraphMode").NONE
-    kwargs = {"cudagraph_runtime_mode": mode, **extra}
-    if "skip_eplb" in params(runner._dummy_run):
-        kwargs["skip_eplb"] = True
-    bind(runner._dummy_run, 1, **kwargs)
-
-    def run(num_tokens: int):
-        return runner._dummy_run(num_tokens, **kwargs)
-
-    return run
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -372,25 +292,10 @@ def block_tables(runner) -> list:
     return list(tables) if tables is not None else [multi]
 
 
-def classes_for(mode: str) -> tuple:
-    return INT_CLASSES if mode in ("class", "constexpr") else (1,)
 
 
-def int_key(value: int, mode: str):
-    """What Triton's key records for integer `value` of a parameter in `mode`."""
-    if mode in ("dns", "absent"):
-        return None
-    if mode == "constexpr":
-        return value
-    return int_class(value)
 
 
-def synchronize(device) -> None:
-    if device is None or getattr(device, "type", None) != "cuda":
-        return
-    import torch
-
-    torch.cuda.synchronize(device)
 
 
 def _buffer_dtype(buf, default):
@@ -400,11 +305,6 @@ def _buffer_dtype(buf, default):
     return getattr(gpu, "dtype", default)
 
 
-def _try_resolve(candidate: str):
-    try:
-        return resolve(candidate)
-    except Missing:
-        return None
 
 
 def _read(view, path: str, default):

@@ -57,7 +57,8 @@ from kwarm_ext import triton_compat
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
                                                 groups_of, metadata_builder, vllm_config)
-from kwarm_ext.kernels.runner import classes_for, synchronize
+from kwarm_ext.kernels.model_runner import synchronize
+from kwarm_ext.kernels.specializations import classes_for
 from kwarm_ext.triton_compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, resolve
 

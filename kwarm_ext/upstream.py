@@ -6,6 +6,8 @@ compares version strings.
 """
 from __future__ import annotations
 
+import importlib
+
 # name -> (candidate "module:attr" locations, what it warms, releases seen)
 UPSTREAM_WARMUPS = {
     "qwen_triton_warmup": (
@@ -61,3 +63,25 @@ def present(name: str) -> bool:
 
 def detect() -> dict:
     return {name: present(name) for name in UPSTREAM_WARMUPS}
+
+
+def upstream_qwen_module(view):
+    """vLLM's ``qwen_triton_warmup`` module when its ``kernel_warmup`` runs it for this model."""
+    if view.is_pooling_model or not kernel_warmup_calls("qwen_triton_warmup"):
+        return None
+    try:
+        mod = importlib.import_module("vllm.model_executor.warmup.qwen_triton_warmup")
+    except ImportError:
+        return None
+    types = getattr(mod, "_QWEN_MODEL_TYPES", None)
+    if types is not None and view.model_type not in types:
+        return None
+    return mod
+
+
+def kernel_warmup_calls(name: str) -> bool:
+    try:
+        mod = importlib.import_module("vllm.model_executor.warmup.kernel_warmup")
+    except ImportError:
+        return False
+    return callable(getattr(mod, name, None))

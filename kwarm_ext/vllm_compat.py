@@ -30,6 +30,14 @@ def resolve(*candidates: str):
     raise Missing("not in this vLLM: " + ", ".join(tried))
 
 
+def resolve_or_none(*candidates: str):
+    """:func:`resolve`, or None when no candidate exists in this release."""
+    try:
+        return resolve(*candidates)
+    except Missing:
+        return None
+
+
 def has(*candidates: str) -> bool:
     try:
         resolve(*candidates)

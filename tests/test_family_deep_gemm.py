@@ -8,7 +8,6 @@ how a failing child is reported. What it saves is measured on the GPU (BENCHMARK
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch

@@ -14,11 +14,11 @@ from kwarm_ext.kernels.attention_groups import groups_of as _groups
 from kwarm_ext.kernels.attention_groups import metadata_builder as _builder
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
 from kwarm_ext.triton_compat import int_class
-from kwarm_ext.vllm_compat import Missing
+from kwarm_ext.vllm_compat import Missing, resolve_or_none
 from kwarm_ext.kernels.dsa_indexer.common import (
     CHUNK_KERNEL, DECODES_AHEAD, DECODE_SEQ_LEN, INDEXER_BACKEND, PREFILL_CONTEXT_LENS,
     PREFILL_QUERY_LENS, QUERY_SLICES, _INDEXER, _KERNEL_WARMUP, _UPSTREAM_SPARSE, _device,
-    _first_attr, _jit_warmup_enabled, _need, _registry_keys, _resolve_or_none, _synchronize,
+    _first_attr, _jit_warmup_enabled, _need, _registry_keys, _synchronize,
     _upstream_keys)
 
 
@@ -150,11 +150,11 @@ def upstream_chunk_keys(view, args: ChunkArgs) -> tuple[set, list]:
     sources: list = []
     if view.is_pooling_model:
         return covered, sources
-    warmup_ns = _resolve_or_none(_KERNEL_WARMUP)
+    warmup_ns = resolve_or_none(_KERNEL_WARMUP)
     max_tokens = view.max_num_batched_tokens or 0
     # 0.25-0.26: fixed cases with the kernel's default DCP arguments and compress ratio 1.
     if warmup_ns is not None and hasattr(warmup_ns, "sparse_mla_triton_warmup_if_needed"):
-        upstream = _resolve_or_none(_UPSTREAM_SPARSE)
+        upstream = resolve_or_none(_UPSTREAM_SPARSE)
         dsv4 = getattr(upstream, "_DEEPSEEK_V4_SPARSE_MLA_BACKENDS", frozenset())
         q = max(0, min(8, max_tokens))
         if q > 0 and not any(view.has_backend(b) for b in dsv4) and args.compress_ratio == 1 \
@@ -163,7 +163,7 @@ def upstream_chunk_keys(view, args: ChunkArgs) -> tuple[set, list]:
                               ((0, 0), (0, -1), (1, 0), (1, -1)))
             covered |= {(int_class(s), int_class(2 * q + t), a) for s, t in offsets for a in (True, False)}
             sources.append("sparse_mla_triton_warmup_if_needed")
-    kernel = _resolve_or_none(f"{_INDEXER}:_BUILD_PREFILL_CHUNK_METADATA_KERNEL")
+    kernel = resolve_or_none(f"{_INDEXER}:_BUILD_PREFILL_CHUNK_METADATA_KERNEL")
     if kernel is None or not hasattr(kernel, "get_warmup_keys"):
         return covered, sources
     # 0.27-0.29: sparse_mla_triton_warmup(worker) -> kernel.warmup(vllm_config).

@@ -115,12 +115,6 @@ def _need(obj, attr: str, what: str):
     return value
 
 
-def _resolve_or_none(candidate: str):
-    try:
-        return vllm_compat.resolve(candidate)
-    except Missing:
-        return None
-
 
 def _synchronize(device) -> None:
     """Surface an asynchronous launch error inside this step, not a later one."""

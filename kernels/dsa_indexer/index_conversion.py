@@ -11,11 +11,11 @@ from kwarm_ext.kernels.attention_groups import block_table
 from kwarm_ext.kernels.attention_groups import groups_of as _groups
 from kwarm_ext.kernels.attention_groups import metadata_builder as _builder
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
-from kwarm_ext.vllm_compat import Missing
+from kwarm_ext.vllm_compat import Missing, resolve_or_none
 from kwarm_ext.kernels.dsa_indexer.common import (
     CONVERT_KERNEL, CONVERT_PREFILL_IDS, CONVERT_REQ_IDS, INDEXER_BACKEND, SPARSE_MLA_BACKEND,
     _FLASHMLA_SPARSE, _SPARSE_UTILS, _device, _first_attr, _full_graphs, _need, _registry_keys,
-    _resolve_or_none, _synchronize, _upstream_keys)
+    _synchronize, _upstream_keys)
 
 
 # -- _convert_req_index_to_global_index_kernel -----------------------------------------------
@@ -136,7 +136,7 @@ def _warm_convert(view, fn, args: ConvertArgs, variants) -> list:
 
 def upstream_convert_variants(view, args: ConvertArgs) -> tuple[set, list]:
     """((HAS_PREFILL, COUNT_VALID) pairs upstream warms for this block size and top-k, sources)."""
-    kernel = _resolve_or_none(f"{_SPARSE_UTILS}:_CONVERT_REQ_INDEX_TO_GLOBAL_INDEX_KERNEL")
+    kernel = resolve_or_none(f"{_SPARSE_UTILS}:_CONVERT_REQ_INDEX_TO_GLOBAL_INDEX_KERNEL")
     keys = _upstream_keys("JIT warmup registry", _registry_keys, view, kernel) if kernel is not None else None
     if not keys:
         return set(), []

@@ -13,12 +13,12 @@ from kwarm_ext.families import Step
 from kwarm_ext.kernels.attention_groups import groups_of as _groups
 from kwarm_ext.kernels.attention_groups import metadata_builder as _builder
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
-from kwarm_ext.kernels.runner import runner_models
-from kwarm_ext.vllm_compat import Missing
+from kwarm_ext.kernels.model_runner import runner_models
+from kwarm_ext.vllm_compat import Missing, resolve_or_none
 from kwarm_ext.kernels.dsa_indexer.common import (
     INDEXER_BACKEND, METADATA_ROW_ALIGN, MIN_CAPABILITY, MQA_LOGITS, PAGED_METADATA,
     PAGED_MQA_LOGITS, PREFILL_ROWS, _DEEP_GEMM, _ENTRY_OWNERS, _INDEXER, _LEGACY_NAMES,
-    _SPARSE_ATTN_INDEXER, _device, _first_attr, _full_graphs, _need, _resolve_or_none,
+    _SPARSE_ATTN_INDEXER, _device, _first_attr, _full_graphs, _need,
     _synchronize, logger)
 
 
@@ -269,7 +269,7 @@ def decode_args(view, builder) -> DecodeArgs:
         spec_tokens = getattr(speculative, "num_speculative_tokens", 0) if speculative else 0
     next_n = 1 + int(spec_tokens)
     flatten = bool(_need(builder, "use_flattening", "indexer metadata builder"))
-    per_step = _resolve_or_none(f"{_INDEXER}:_supports_native_decode")  # 0.28+
+    per_step = resolve_or_none(f"{_INDEXER}:_supports_native_decode")  # 0.28+
     native = tuple(d == 1 or (not flatten and (per_step is None or bool(per_step(d))))
                    for d in range(1, next_n + 1))
     scheduler = getattr(_vllm_config(view), "scheduler_config", None)
@@ -301,7 +301,7 @@ class MetadataVariant:
 
 def _slots(num_sms: int, next_n: int) -> int:
     """Scheduler slots the metadata is built for: 0.28+'s wrapper derives them from next_n."""
-    fn = _resolve_or_none(f"{_DEEP_GEMM}:_paged_mqa_logits_schedule_slots")
+    fn = resolve_or_none(f"{_DEEP_GEMM}:_paged_mqa_logits_schedule_slots")
     return int(fn(num_sms, next_n)) if fn is not None else num_sms
 
 
@@ -453,7 +453,7 @@ def _deep_gemm_steps(view, forced: bool) -> list:
         return skipped(str(exc))
     if any(s.use_fp4 for s in shapes):
         return skipped("MXFP4 indexer cache (SM100): its DeepGEMM call shape is not modelled")
-    mx = _resolve_or_none(f"{_DEEP_GEMM}:mqa_logits_use_mx_scales")  # 0.33+
+    mx = resolve_or_none(f"{_DEEP_GEMM}:mqa_logits_use_mx_scales")  # 0.33+
     if mx is not None and mx():
         return skipped("MX-scaled MQA-logits inputs (SM100, 0.33+): not modelled")
 
