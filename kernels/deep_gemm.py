@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from kwarm_ext import triton_compat
+from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
 
 KERNEL = "deep_gemm.fp8_gemm_nt"
@@ -130,7 +130,7 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
     probe_s = time.perf_counter() - t0
     if probe_s < COLD_PROBE_S:
         return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
-    children = max(1, min(MAX_CHILDREN, triton_compat.compile_threads(tp_size) - 1,  # a core stays with the engine
+    children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     per_child = assign([job["counts"] for job in jobs], children)
     outcomes = run_children(per_child, jobs, buffers, device)

@@ -34,7 +34,7 @@ How:
        ``16 / gcd(top_k, 16)`` tokens: the first that many M of a region reach every key
        production can reach in it.
     3. Compile ahead: the same dummy runs once with ``fused_moe_kernel``'s launches turned
-       into compiles on a thread pool (``triton_compat.launches_compile_only`` inside
+       into compiles on a thread pool (``triton_compile.launches_compile_only`` inside
        ``parallel_compiles``, one thread per core of this rank): vLLM's own code computes
        every launch's arguments, Triton compiles all the specializations at once instead of
        one per dummy run. Those runs' MoE outputs are never written; they are discarded.
@@ -73,7 +73,7 @@ import math
 import sys
 import time
 
-from kwarm_ext import triton_compat
+from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.model_runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
@@ -122,7 +122,7 @@ def plan(view, forced) -> list:
     if first > last:
         return [Step("eager_sizes", KERNEL, skip=f"no eager token counts ({first}..{last})")]
     # at least 2, so that every rank takes the same path (one thread would skip the pass)
-    threads = max(2, triton_compat.compile_threads(view.tp_size))
+    threads = max(2, triton_compile.compile_threads(view.tp_size))
     return [Step("eager_sizes", KERNEL,
                  run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, _one_process()))]
 
@@ -255,7 +255,7 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
         for m in sizes:
             dummy_run(m)
 
-    return triton_compat.compile_ahead([(_KERNEL_MODULE, KERNEL)], run, threads,
+    return triton_compile.compile_ahead([(_KERNEL_MODULE, KERNEL)], run, threads,
                                        "fused_moe: compile ahead failed, compiling one token count at a time")
 
 

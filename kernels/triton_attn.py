@@ -30,7 +30,7 @@ How:
        ``n`` and longest query; tests/test_family_triton_attn.py checks that against every
        batch of up to 16 requests, per release.
     2. Compile ahead: those batches once more with the kernels' launches turned into compiles
-       on a thread pool (``triton_compat.launches_compile_only``), as ``fused_moe`` does.
+       on a thread pool (``triton_compile.launches_compile_only``), as ``fused_moe`` does.
     3. Launch: the batches for real, so the binaries are loaded before the first request.
 
     Safety: the batches' slot mapping is all -1 (padding: no KV write; the Triton backend's
@@ -53,7 +53,7 @@ import functools
 import sys
 import time
 
-from kwarm_ext import triton_compat
+from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
                                                 groups_of, metadata_builder, vllm_config)
@@ -188,7 +188,7 @@ def observed_launches(kernels: dict, *, launch: bool):
     """Inside the block each launch of `kernels` appends ``(name, key)`` to the yielded list;
     with `launch` false nothing compiles or runs (the kernel returns None). The key of a
     launch is known only once vLLM's ``unified_attention`` has computed its arguments from the
-    batch: recording the launch (``triton_compat.shadowed_runs``, whose docstring says why and
+    batch: recording the launch (``triton_compile.shadowed_runs``, whose docstring says why and
     until when) reads the batch's specialization without replicating that code."""
     seen: list = []
     names = {id(kernel): name for name, kernel in kernels.items()}
@@ -200,7 +200,7 @@ def observed_launches(kernels: dict, *, launch: bool):
 
         return run
 
-    with triton_compat.shadowed_runs(kernels.values(), recording):
+    with triton_compile.shadowed_runs(kernels.values(), recording):
         yield seen
 
 
@@ -208,7 +208,7 @@ def launch_key(kernel, args, kwargs) -> tuple:
     """What Triton keys a launch on, readably: ``((param, value), ...)`` with constexprs by
     value, specialized integers by class, tensors by dtype, floats as ``fp``. Pointer
     alignment is left out (every tensor here is a fresh, aligned allocation)."""
-    names = triton_compat.param_names(kernel)
+    names = triton_compile.param_names(kernel)
     bound = dict(zip(names, args), **kwargs)
     out = []
     for name in names:
@@ -305,7 +305,7 @@ def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) ->
         for batch in batches:
             run_batch(target, batch)
 
-    return triton_compat.compile_ahead([(OPS_MODULE, name) for name in kernels], run, threads,
+    return triton_compile.compile_ahead([(OPS_MODULE, name) for name in kernels], run, threads,
                                        f"triton_attn: {target.label}: compile ahead failed, compiling one batch at a time")
 
 
@@ -316,7 +316,7 @@ def warm(target: Target, kernels: dict, tp_size) -> list:
     batches, probes = choose_batches(target, kernels)
     probe_s = time.perf_counter() - t0
     with torch.inference_mode():
-        ahead = compile_ahead(target, kernels, batches, triton_compat.compile_threads(tp_size))
+        ahead = compile_ahead(target, kernels, batches, triton_compile.compile_threads(tp_size))
         labels = []
         for batch in batches:
             with observed_launches(kernels, launch=True) as seen:

@@ -144,13 +144,13 @@ def _stamp_check(stamp, current) -> tuple:
 
 
 def _entry_problems(entry, resolver) -> list:
-    from kwarm_ext import replay, triton_compat
+    from kwarm_ext import replay, triton_preload
 
     kernel, why = replay.check_entry(entry, resolver)
     if why:
         return [(entry.label, why[1])]
     try:
-        triton_compat.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
+        triton_preload.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
                                   resolver.function_for(entry.key))
     except (TypeError, ValueError, KeyError) as exc:
         return [(entry.label, f"unusable constants: {exc}")]

@@ -5,7 +5,7 @@ backend or vLLM release they do not know still compiles on its first requests. W
 ``KWARM_LEARN=1`` a run records those compilations into the deployment's manifest
 (kwarm_ext/learn.py); every later start replays it, first among the families.
 
-How (Triton's own mechanisms, through kwarm_ext/triton_compat.py):
+How (Triton's own mechanisms, through the Triton adapter: kwarm_ext/triton_compat.py, triton_preload.py, triton_compile.py):
   1. load the manifest: a trusted file, this Triton, this GPU architecture (one log line and
      no replay otherwise);
   2. resolve each entry (allow-listed modules whose source defines Triton kernels only), skip
@@ -30,7 +30,7 @@ import logging
 import os
 import time
 
-from kwarm_ext import config, learn, manifest, monitor, triton_compat
+from kwarm_ext import config, learn, manifest, monitor, triton_compat, triton_compile, triton_preload
 from kwarm_ext.families import Step
 from kwarm_ext.log import fail_open
 
@@ -112,7 +112,7 @@ def plan(view, forced) -> list:
     global _last
     stamp, path = learn.deployment(view)
     state = prepare(path, stamp, config.get().allowed_modules)
-    state.threads = triton_compat.compile_threads(view.tp_size)
+    state.threads = triton_compile.compile_threads(view.tp_size)
     _last = state
     gpu_skip = NO_GPU if not triton_compat.has_gpu_driver() else None
     none = state.refused and f"manifest not used: {state.refused}"
@@ -227,14 +227,14 @@ def _plan_entry(state: ReplayState, entry, resolver: Resolver, chosen: dict) -> 
     kernel, why = check_entry(entry, resolver)
     if why:
         return state.skip(entry.label, *why)
-    if triton_compat.is_loaded(kernel.jit, entry.key):
+    if triton_preload.is_loaded(kernel.jit, entry.key):
         state.already += 1
         return None
     if not _is_chosen(entry, kernel, chosen):
         state.not_chosen += 1
         return None
     try:
-        job = triton_compat.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
+        job = triton_preload.preload_job(entry.label, kernel, entry.key, entry.spec, entry.launch_options,
                                         resolver.function_for(entry.key))
     except (TypeError, ValueError, KeyError) as exc:
         return state.skip(entry.label, "constants", f"unusable constants: {exc}")
@@ -255,7 +255,7 @@ def _is_chosen(entry, kernel, chosen: dict) -> bool:
     configs = chosen.get((entry.module, entry.qualname, entry.source_key))
     if not configs or not triton_compat.tunes(kernel):
         return True
-    names = triton_compat.param_names(kernel.jit)
+    names = triton_compile.param_names(kernel.jit)
     constants = {}
     for path, value in zip(entry.spec["constant_keys"], entry.spec["constant_vals"]):
         if len(path) == 1 and path[0] < len(names):
@@ -277,13 +277,13 @@ def compile_entries(state: ReplayState) -> list:
     threads = max(1, min(state.threads, len(state.jobs)))
     results = []
     with learn.paused():
-        with triton_compat.parallel_compiles(threads):
+        with triton_compile.parallel_compiles(threads):
             for job in state.jobs:
                 try:
-                    results.append(triton_compat.preload(job))
+                    results.append(triton_preload.preload(job))
                 except Exception as exc:
                     results.append(exc)
-            state.binder = _attempt(triton_compat.warm_binder, "primed by warmup")
+            state.binder = _attempt(triton_preload.warm_binder, "primed by warmup")
         for job, result in zip(state.jobs, results):
             _settle(state, job, result)
     return [label for label, _ in state.compiled]
@@ -292,14 +292,14 @@ def compile_entries(state: ReplayState) -> list:
 def _settle(state: ReplayState, job, result) -> None:
     if isinstance(result, Exception):
         return state.skip(job.label, "compile failed", f"preload failed: {type(result).__name__}: {result}")
-    kernel, why = triton_compat.settle(job, result)
+    kernel, why = triton_preload.settle(job, result)
     if why:
         return state.skip(job.label, "compile failed", why)
     state.compiled.append((job.label, kernel))
     # an optimization only (the launch builds the key itself): a debug line; KWARM_STRICT (CI)
     # sees a Triton layout change here
     with fail_open(f"replay could not seed the key cache for {job.label}", logging.DEBUG):
-        state.key_cache_seeded += triton_compat.seed_key_cache(job.jit, job.key)
+        state.key_cache_seeded += triton_preload.seed_key_cache(job.jit, job.key)
     return None
 
 
@@ -318,7 +318,7 @@ def seed_autotuners(state: ReplayState) -> list:
 
 def load_handles(state: ReplayState) -> list:
     """Step 5 (GPU only): build each kernel's launcher and load its binary now, in parallel."""
-    errors = triton_compat.init_handles_each([kernel for _, kernel in state.compiled], state.threads)
+    errors = triton_preload.init_handles_each([kernel for _, kernel in state.compiled], state.threads)
     loaded = []
     for (label, _), exc in zip(state.compiled, errors):
         if exc is None:
@@ -332,7 +332,7 @@ def load_handles(state: ReplayState) -> list:
 def launch_once(state: ReplayState) -> list:
     """Step 6 (GPU only): one tiny real launch pays what only a first launch pays."""
     t0 = time.perf_counter()
-    triton_compat.tiny_launch()
+    triton_preload.tiny_launch()
     state.binder = f"primed by one launch ({(time.perf_counter() - t0) * 1000:.1f} ms)"
     return ["kwarm_noop"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from triton.runtime.jit import KernelInterface
 
-from kwarm_ext import triton_compat
+from kwarm_ext import triton_compat, triton_compile
 from kwarm_ext.kernels import fused_moe
 
 
@@ -28,7 +28,7 @@ class Kernel(KernelInterface):
 
 def test_launches_compile_only_turns_launches_into_compiles_for_one_kernel():
     kernel, other = Kernel(), Kernel()
-    with triton_compat.launches_compile_only(kernel):
+    with triton_compile.launches_compile_only(kernel):
         assert kernel[(4,)](1, 2) == "compiled"
         assert other[(4,)](1, 2) == "launched", "other kernels launch as usual"
     assert kernel[(4,)](3) == "launched", "restored on leaving"
@@ -39,7 +39,7 @@ def test_launches_compile_only_turns_launches_into_compiles_for_one_kernel():
 def test_launches_compile_only_restores_after_an_exception():
     kernel = Kernel()
     with pytest.raises(RuntimeError):
-        with triton_compat.launches_compile_only(kernel):
+        with triton_compile.launches_compile_only(kernel):
             raise RuntimeError("dummy run failed")
     assert kernel[(1,)]() == "launched"
 

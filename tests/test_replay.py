@@ -29,7 +29,7 @@ PRELUDE = """
 import json, os, sys, types
 import replay_kernels as rk
 rk.install_fake_driver()
-from kwarm_ext import monitor, triton_compat, warmup
+from kwarm_ext import monitor, triton_compat, triton_preload, warmup
 
 def stand_in_worker():
     ns = types.SimpleNamespace
@@ -60,7 +60,7 @@ if os.environ.get("PRETEND_GPU"):
     loaded, launched = [], []
     triton_compat.has_gpu_driver = lambda: True
     CompiledKernel._init_handles = lambda self: loaded.append(self.name)
-    triton_compat.tiny_launch = lambda: launched.append(1)
+    triton_preload.tiny_launch = lambda: launched.append(1)
 before = [m for m in ("triton.tools.tensor_descriptor",) if m in sys.modules]
 report = warmup.run(stand_in_worker())
 binder = [m for m in ("triton.tools.tensor_descriptor", "triton.experimental.gluon.nvidia.hopper")
@@ -269,10 +269,10 @@ class _Kernel:
 
 
 def test_load_step_runs_on_threads_and_reports_each_failure():
-    from kwarm_ext import triton_compat
+    from kwarm_ext import triton_preload
 
     kernels = [_Kernel(f"k{i}", fail=(i == 2)) for i in range(6)]
-    errors = triton_compat.init_handles_each(kernels, threads=4)
+    errors = triton_preload.init_handles_each(kernels, threads=4)
     assert [type(e).__name__ if e else None for e in errors] == [None, None, "RuntimeError", None, None, None]
     assert all(k.thread.startswith("kwarm-load") for k in kernels)
 
@@ -282,29 +282,29 @@ def test_load_step_falls_back_to_one_thread_when_a_thread_cannot_take_the_device
     torch.cuda.set_device without a driver) every kernel loads in the caller's thread."""
     import threading
 
-    from kwarm_ext import triton_compat
+    from kwarm_ext import triton_preload
 
-    monkeypatch.setattr(triton_compat, "_current_cuda_device", lambda: 0)
+    monkeypatch.setattr(triton_preload, "_current_cuda_device", lambda: 0)
     kernels = [_Kernel(f"k{i}") for i in range(3)]
-    assert triton_compat.init_handles_each(kernels, threads=4) == [None, None, None]
+    assert triton_preload.init_handles_each(kernels, threads=4) == [None, None, None]
     assert {k.thread for k in kernels} == {threading.current_thread().name}
 
 
 def test_key_cache_seeding_reads_back_only_keys_that_print_the_same(monkeypatch):
     """``seed_key_cache`` on a stand-in JITFunction's ``device_caches`` (the current device
     comes from the GPU driver, stood in for)."""
-    from kwarm_ext import triton_compat
+    from kwarm_ext import triton_compat, triton_preload
 
     monkeypatch.setattr(triton_compat, "current_device", lambda: 0)
     jit = type("Jit", (), {})()
     jit.device_caches = {0: ({}, {}, "target", "backend", "binder")}
     plain = "[('*fp16', 'D'), ('i32', ''), ('constexpr', 64)]{'debug': False, 'num_warps': 4}"
-    assert triton_compat.seed_key_cache(jit, plain) is True
+    assert triton_preload.seed_key_cache(jit, plain) is True
     spec = (("*fp16", "D"), ("i32", ""), ("constexpr", 64))
     assert jit.device_caches[0][1] == {(spec, "{'debug': False, 'num_warps': 4}"): plain}
     function = "[('constexpr', '" + "a" * 64 + "')]{'debug': False}"
     for key in (function, "[('x', <object>)]{'debug': False}", "no options at all", "[('constexpr', 1.0e3)]{}"):
-        assert triton_compat.seed_key_cache(jit, key) is False, key
+        assert triton_preload.seed_key_cache(jit, key) is False, key
     assert len(jit.device_caches[0][1]) == 1
 
 
@@ -315,7 +315,7 @@ def test_key_cache_seeding_reads_int_enum_and_dtype_constexprs(monkeypatch):
     import enum
 
     import triton.language as tl
-    from kwarm_ext import triton_compat
+    from kwarm_ext import triton_compat, triton_preload
 
     class Mode(enum.IntEnum):
         NONE = 0
@@ -328,13 +328,13 @@ def test_key_cache_seeding_reads_int_enum_and_dtype_constexprs(monkeypatch):
     launch = [("*bf16", "D"), ("constexpr", Mode.FP8), ("constexpr", tl.bfloat16), ("constexpr", -1.5)]
     key = str(launch) + options
     assert "<Mode.FP8: 2>" in key and "triton.language.bfloat16" in key
-    assert triton_compat.seed_key_cache(jit, key) is True
+    assert triton_preload.seed_key_cache(jit, key) is True
     assert jit.device_caches[0][1][(tuple(launch), options)] == key
     other = [("*bf16", "D"), ("constexpr", Mode.NONE), ("constexpr", tl.bfloat16), ("constexpr", -1.5)]
     assert (tuple(other), options) not in jit.device_caches[0][1]
     for text in ("[('constexpr', triton.language.not_a_dtype)]", "[('constexpr', os.path.sep)]",
                  "[('constexpr', <Mode.FP8: x>)]", "[('constexpr', triton.language.bfloat16())]"):
-        assert triton_compat.seed_key_cache(jit, text + options) is False, text
+        assert triton_preload.seed_key_cache(jit, text + options) is False, text
     assert len(jit.device_caches[0][1]) == 1
 
 
@@ -343,13 +343,13 @@ def test_a_failed_key_cache_seed_or_binder_priming_is_quiet_but_strict_raises(mo
     the engine starts without them, but KWARM_STRICT (CI) must see a Triton layout change."""
     import types
 
-    from kwarm_ext import replay, triton_compat
+    from kwarm_ext import replay, triton_preload
 
     def broken(*args):
         raise AttributeError("JITFunction has no device_caches")
 
-    monkeypatch.setattr(triton_compat, "settle", lambda job, result: ("kernel", None))
-    monkeypatch.setattr(triton_compat, "seed_key_cache", broken)
+    monkeypatch.setattr(triton_preload, "settle", lambda job, result: ("kernel", None))
+    monkeypatch.setattr(triton_preload, "seed_key_cache", broken)
     job = types.SimpleNamespace(label="vllm.k:kern", jit=None, key="key")
     kwarm_env()
     state = replay.ReplayState(path="m.json")

@@ -1,0 +1,140 @@
+"""Compiling Triton kernels ahead of their first launch: a launch turned into a compile on
+Triton's ``AsyncCompileMode`` pool, and the share of cores a rank may use. Part of the Triton
+adapter (see ``kwarm_ext.triton_compat``): Triton runtime internals, one function each."""
+from __future__ import annotations
+
+from typing import Callable
+import contextlib
+import os
+
+from kwarm_ext import triton_compat  # attribute access: tests stand in for its functions
+
+
+def compile_threads(tp_size) -> int:
+    """This rank's share of the cores: each compile thread can start its own MLIR pool, and the
+    TP ranks of one host compile at the same time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, tp_size or 1))
+
+
+@contextlib.contextmanager
+def shadowed_runs(kernels, make_run):
+    """Inside the block, every launch of each of `kernels` (``kernel[grid](...)`` calls
+    ``kernel.run``) goes through ``make_run(kernel, original_run)`` instead.
+
+    Why this patch exists: vLLM computes a kernel's launch arguments (tile config, padded
+    sizes, the 2D/3D choice) deep in its own Python code; letting that code run and changing
+    only what the launch does (compile without running, or record the key) is how the
+    arguments stay production's. An instance attribute ``run`` shadows the class method for
+    these kernel objects only and is removed on leaving. Needed with every Triton kwarm
+    supports (3.4-3.7), by :func:`launches_compile_only` and ``triton_attn``'s launch
+    recording; it can go with them."""
+    kernels = list(kernels)
+    for kernel in kernels:
+        kernel.run = make_run(kernel, kernel.run)
+    try:
+        yield
+    finally:
+        for kernel in kernels:
+            vars(kernel).pop("run", None)
+
+
+def launches_compile_only(*jits):
+    """Inside the block, launches of `jits` compile without running: Triton's own
+    ``run(..., warmup=True)``, what ``JITFunction.warmup`` calls. Inside
+    :func:`parallel_compiles` each such compile goes to the pool and the caller moves on, so a
+    loop of vLLM calls that each meet a new specialization compiles them all at once. The
+    kernels' outputs are not written: only around calls whose results are discarded."""
+
+    def compile_only(kernel, original):
+        def run(*args, grid=None, warmup=False, **kwargs):
+            return original(*args, grid=grid, warmup=True, **kwargs)
+
+        return run
+
+    return shadowed_runs(jits, compile_only)
+
+
+def compile_ahead(kernels, run: Callable[[], None], threads: int, failure: str) -> str:
+    """Call `run` (vLLM code that launches `kernels`, ``(module, qualname)`` pairs) with those
+    launches turned into compiles on `threads` threads (:func:`launches_compile_only` inside
+    :func:`parallel_compiles`): every specialization `run` meets compiles at once. Returns the
+    words for a summary line. An optimization only: a failure is one line, `failure`, under
+    kwarm's failure policy (``log.fail_open``), and the caller's real launches compile instead."""
+    import time
+
+    from kwarm_ext.log import fail_open
+
+    try:
+        jits = [triton_compat.resolve(module, qualname).jit for module, qualname in kernels]
+    except triton_compat.Unresolvable as exc:  # Triton's interpreter (CPU tests)
+        return f"no compile ahead ({exc})"
+    t0 = time.perf_counter()
+    with fail_open(failure) as outcome:
+        with parallel_compiles(threads) as parallel:
+            if not parallel:
+                return "no compile ahead (one thread, or no parallel compile mode in this Triton)"
+            with launches_compile_only(*jits):
+                run()
+    if outcome.error is not None:
+        return f"compile ahead failed ({type(outcome.error).__name__})"
+    return f"compiled ahead on {threads} threads in {time.perf_counter() - t0:.1f} s"
+
+
+@contextlib.contextmanager
+def parallel_compiles(threads: int):
+    """Make the block's ``preload``/``warmup`` calls compile on a thread pool.
+
+    Uses ``triton.AsyncCompileMode`` (3.5+; threads only: its compile closures don't pickle).
+    On leaving, the mode waits for every compile; errors are kept for :func:`settle`
+    (``ignore_errors``). Falls back to compiling in the caller's thread on Triton 3.4, with
+    one thread, or when another AsyncCompileMode is already active in this context."""
+    import triton
+
+    mode_cls = getattr(triton, "AsyncCompileMode", None)
+    if mode_cls is None or threads <= 1 or _async_mode_active() or not _keeps_errors(mode_cls):
+        yield False
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="kwarm-replay") as pool:
+        with mode_cls(pool, ignore_errors=True):
+            yield True
+
+
+def _keeps_errors(mode_cls) -> bool:
+    """3.5's AsyncCompileMode has no ``ignore_errors``: one failed compile raises from its
+    ``__exit__`` before it resets the active mode, which would leave later compiles of this
+    thread queued on a closed pool. There, replay compiles sequentially instead."""
+    import inspect
+
+    try:
+        return "ignore_errors" in inspect.signature(mode_cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _async_mode_active() -> bool:
+    try:
+        from triton.runtime import _async_compile
+
+        return _async_compile.active_mode.get() is not None
+    except Exception:
+        return False
+
+
+
+def param_names(kernel) -> list[str]:
+    """A kernel's parameter names: its JITFunction's (through Autotuner/Heuristics wrappers),
+    or, under Triton's interpreter, the Python function's signature."""
+    fn = kernel
+    while not hasattr(fn, "arg_names") and getattr(fn, "fn", None) is not None:
+        fn = fn.fn
+    if hasattr(fn, "arg_names"):
+        return list(fn.arg_names)
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
