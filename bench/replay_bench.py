@@ -21,9 +21,9 @@ import time
 
 
 def one(path: str, threads: int) -> dict:
-    from kwarm_ext import config, manifest, replay
+    from kwarm_ext import config, manifest_files, replay
 
-    stamp = manifest.load(path).stamp  # the same host: validate against the recording's stamp
+    stamp = manifest_files.load(path).stamp  # the same host: validate against the recording's stamp
     state = replay.prepare(path, stamp, config.get().allowed_modules)
     state.threads = threads
     t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def hook_target() -> dict:
 
 def manifests(settings) -> dict:
     """Where learn-and-replay manifests are, and which exist (nothing is read or imported)."""
-    from kwarm_ext.manifest import cache_dir
+    from kwarm_ext.manifest_files import cache_dir
 
     directory = cache_dir()
     found = sorted(glob.glob(os.path.join(directory, "*.json")))

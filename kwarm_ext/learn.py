@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 
-from kwarm_ext import config, engine, manifest, monitor, triton_compat
+from kwarm_ext import config, engine, manifest, manifest_files, monitor, triton_compat
 from kwarm_ext.manifest import Entry, Stamp, TuneChoice
 
 logger = logging.getLogger("kwarm")
@@ -147,7 +147,7 @@ class Learner:
     _save_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
-    def save(self, why: str) -> manifest.SaveResult | None:
+    def save(self, why: str) -> manifest_files.SaveResult | None:
         """Merge what is new into the manifest; None when nothing new was recorded."""
         with self._save_lock:
             entries, counts = self.recorder.take_unsaved(), self.recorder.take_unsaved_counts()
@@ -157,7 +157,7 @@ class Learner:
             if not entries and not choices and not counts:
                 return None
             try:
-                result = manifest.save(self.path, self.stamp, entries, choices, counts)
+                result = manifest_files.save(self.path, self.stamp, entries, choices, counts)
             except BaseException:
                 self.recorder.give_back(entries, counts)
                 raise
@@ -200,10 +200,10 @@ def deployment(view) -> tuple[Stamp, str]:
     model = engine.read(view.worker, "vllm_config.model_config.model", {}) if view.worker is not None else None
     if model is None and view.runner is not None:
         model = engine.read(view.runner, "vllm_config.model_config.model", {})
-    stamp = manifest.current_stamp(model=str(model) if model is not None else None, tp_size=view.tp_size)
+    stamp = manifest_files.current_stamp(model=str(model) if model is not None else None, tp_size=view.tp_size)
     if stamp is None:
         raise RuntimeError("no Triton target: Triton is missing or no GPU driver is active")
-    return stamp, config.get().manifest or manifest.default_path(stamp)
+    return stamp, config.get().manifest or manifest_files.default_path(stamp)
 
 
 def begin(view) -> Learner:
@@ -263,14 +263,14 @@ def record_steps(runner, recorder: Recorder) -> bool:
 def learned_token_counts(view) -> list:
     """The step sizes this deployment's manifest holds (empty without a usable one)."""
     stamp, path = deployment(view)
-    return manifest.read_token_counts(path, stamp)
+    return manifest_files.read_token_counts(path, stamp)
 
 
 def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:
     """What the manifest already holds (empty if unusable): its entries are not new, its
     autotune choices need not be saved again."""
     try:
-        known = manifest.load(path)
+        known = manifest_files.load(path)
     except (FileNotFoundError, manifest.BadManifest):
         return manifest.Manifest(stamp)
     return known if known.stamp.incompatibility(stamp) is None else manifest.Manifest(stamp)

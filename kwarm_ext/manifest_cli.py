@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from kwarm_ext import manifest
+from kwarm_ext import manifest, manifest_files
 from kwarm_ext.manifest import BadManifest, Entry
 
 QUIET_OPTIONS = {"debug": False, "instrumentation_mode": ""}  # the defaults every key carries
@@ -32,7 +32,7 @@ def main(action: str, paths: list, output: str | None = None) -> int:
 def _load(path: str):
     """(Manifest, None) or (None, why) for one input."""
     try:
-        return manifest.load(path), None
+        return manifest_files.load(path), None
     except FileNotFoundError:
         return None, "no such file"
     except BadManifest as exc:
@@ -112,7 +112,7 @@ def _describe_config(config: dict) -> str:
 def verify(paths: list) -> int:
     from kwarm_ext import config, replay
 
-    current = manifest.current_stamp()  # None without a GPU driver
+    current = manifest_files.current_stamp()  # None without a GPU driver
 
     def one(path, data):
         fatal, notes = _stamp_check(data.stamp, current)
@@ -186,7 +186,7 @@ def merge(paths: list, output: str) -> int:
     choices = [c for data in inputs for c in data.autotune]
     counts = [m for data in inputs for m in data.token_counts]
     try:
-        result = manifest.save(output, inputs[0].stamp, entries, choices, counts)
+        result = manifest_files.save(output, inputs[0].stamp, entries, choices, counts)
     except (BadManifest, OSError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"kwarm manifest merge: cannot write {manifest.printable(output)}: {manifest.printable(why)}")

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 
-from kwarm_ext import config, learn, manifest, monitor, triton_compat, triton_compile, triton_preload
+from kwarm_ext import config, learn, manifest, manifest_files, monitor, triton_compat, triton_compile, triton_preload
 from kwarm_ext.families import Step
 from kwarm_ext.log import fail_open
 
@@ -172,7 +172,7 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     """Load and check the manifest, resolve its entries; logs one line per refusal."""
     state = ReplayState(path)
     try:
-        data = manifest.load(path)
+        data = manifest_files.load(path)
         why = data.stamp.incompatibility(stamp)
     except FileNotFoundError:
         state.refused = "no manifest"

@@ -269,7 +269,7 @@ def write_report(report: dict, path: str, rank: int) -> str:
         path = path.replace("{rank}", str(rank))
     elif rank:
         path = f"{path}.rank{rank}"
-    from kwarm_ext.manifest import check_writable_target
+    from kwarm_ext.manifest_files import check_writable_target
 
     check_writable_target(path)  # never replace a device, a FIFO or another user's file
     directory = os.path.dirname(os.path.abspath(path))

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from kwarm_ext import budget, config, learn, manifest
+from kwarm_ext import budget, config, learn, manifest, manifest_files
 from kwarm_ext.manifest import Stamp
 
 
@@ -83,9 +83,9 @@ def test_steps_are_recorded_and_the_runner_still_runs():
 
 def test_step_sizes_are_merged_bounded_and_survive_a_round_trip(tmp_path):
     path = str(tmp_path / "m.json")
-    assert manifest.save(path, STAMP, token_counts=[604, 1332]).added == 2
-    assert manifest.save(path, STAMP, token_counts=[1332, 37]).added == 1
-    assert sorted(manifest.load(path).token_counts) == [37, 604, 1332]
+    assert manifest_files.save(path, STAMP, token_counts=[604, 1332]).added == 2
+    assert manifest_files.save(path, STAMP, token_counts=[1332, 37]).added == 1
+    assert sorted(manifest_files.load(path).token_counts) == [37, 604, 1332]
     full = manifest.Manifest(STAMP)
     full.merge(token_counts=range(1, manifest.MAX_TOKEN_COUNTS + 100))
     assert len(full.token_counts) == manifest.MAX_TOKEN_COUNTS
@@ -96,7 +96,7 @@ def test_step_sizes_are_merged_bounded_and_survive_a_round_trip(tmp_path):
     ("not a list", []),
 ])
 def test_bad_step_sizes_are_dropped_with_one_problem(raw, kept):
-    text = manifest._dumps({**manifest.Manifest(STAMP).as_json(), "token_counts": raw})
+    text = manifest_files._dumps({**manifest.Manifest(STAMP).as_json(), "token_counts": raw})
     parsed = manifest.parse(text)
     assert parsed.token_counts == kept
     assert [label for label, _ in parsed.problems] == ["token_counts"]

@@ -128,9 +128,9 @@ def run_case(case):
         sys.path.insert(0, case["tests_dir"])
         import replay_kernels  # STAND-IN for the GPU driver a manifest's stamp names (none on CPU)
         replay_kernels.install_fake_driver()
-        from kwarm_ext import manifest
+        from kwarm_ext import manifest_files
         os.environ["KWARM_MANIFEST"] = path = os.path.join(TMP, "learned.json")
-        manifest.save(path, manifest.current_stamp(model=None, tp_size=1), token_counts=case["learned"])
+        manifest_files.save(path, manifest_files.current_stamp(model=None, tp_size=1), token_counts=case["learned"])
     config.reset()
     logs = []
     handler = logging.Handler()

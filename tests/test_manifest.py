@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, run_py
-from kwarm_ext import config, learn, manifest, replay
+from kwarm_ext import config, learn, manifest, manifest_files, replay
 from kwarm_ext.manifest import BadManifest, Entry, Stamp, TuneChoice
 
 triton = pytest.importorskip("triton")
@@ -108,16 +108,16 @@ def test_module_allow_list_semantics():
 
 def test_default_location_is_per_model_and_versions(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    path = manifest.default_path(STAMP)
+    path = manifest_files.default_path(STAMP)
     assert path.startswith(str(tmp_path / "xdg" / "kwarm") + os.sep) and path.endswith(".json")
     assert os.path.basename(path).startswith("m.tp1.cuda90.")
-    others = {manifest.default_path(Stamp(**{**STAMP.__dict__, field: value}))
+    others = {manifest_files.default_path(Stamp(**{**STAMP.__dict__, field: value}))
               for field, value in (("triton", "3.7.0"), ("arch", "cuda:100"), ("vllm", "0.25.0"),
                                    ("torch", "2.12.0"), ("tp_size", 2), ("model", "other/m"))}
     assert len(others) == 6 and path not in others
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec wants an absolute path
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert manifest.default_path(STAMP).startswith(str(tmp_path / "home" / ".cache" / "kwarm") + os.sep)
+    assert manifest_files.default_path(STAMP).startswith(str(tmp_path / "home" / ".cache" / "kwarm") + os.sep)
 
 
 def test_kwarm_manifest_overrides_the_location(kwarm_env, fake_driver, tmp_path):
@@ -137,7 +137,7 @@ def test_truncated_file(tmp_path):
     path = write(tmp_path / "m.json", [entry()])
     path.write_text(path.read_text()[:-40])
     with pytest.raises(BadManifest, match="not valid JSON"):
-        manifest.load(str(path))
+        manifest_files.load(str(path))
 
 
 @pytest.mark.parametrize("text, match", [
@@ -150,7 +150,7 @@ def test_truncated_file(tmp_path):
 def test_not_a_manifest(tmp_path, text, match):
     (tmp_path / "m.json").write_text(text)
     with pytest.raises(BadManifest, match=match):
-        manifest.load(str(tmp_path / "m.json"))
+        manifest_files.load(str(tmp_path / "m.json"))
 
 
 def test_wrong_types_drop_only_the_bad_entries(tmp_path):
@@ -171,7 +171,7 @@ def test_wrong_types_drop_only_the_bad_entries(tmp_path):
     obj["autotune"] = [{"module": "replay_kernels", "qualname": "tuned_kernel", "source_key": "s",
                         "key": [64, {"x": 1}], "config": {}}]
     (tmp_path / "m.json").write_text(json.dumps(obj))
-    loaded = manifest.load(str(tmp_path / "m.json"))
+    loaded = manifest_files.load(str(tmp_path / "m.json"))
     assert [e.identity for e in loaded.entries] == [entry().identity]
     reasons = [reason for _, reason in loaded.problems]
     assert len(reasons) == len(bad) + 1 and all(r.startswith("malformed: ") for r in reasons)
@@ -189,9 +189,9 @@ def test_wrong_types_drop_only_the_bad_entries(tmp_path):
 def test_files_writable_by_others_are_refused(tmp_path, mode, reason):
     path = write(tmp_path / "m.json", [entry()], mode=mode)
     with pytest.raises(BadManifest, match=re.escape(f"refused: {reason}")):
-        manifest.load(str(path))
+        manifest_files.load(str(path))
     path.chmod(0o600)
-    assert len(manifest.load(str(path)).entries) == 1
+    assert len(manifest_files.load(str(path)).entries) == 1
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
@@ -199,13 +199,13 @@ def test_files_owned_by_another_user_are_refused(tmp_path):
     path = write(tmp_path / "m.json", [entry()])
     os.chown(path, 4242, 4242)
     with pytest.raises(BadManifest, match="refused: owned by uid 4242, not by this user"):
-        manifest.load(str(path))
+        manifest_files.load(str(path))
 
 
 def test_a_directory_is_refused(tmp_path):
     (tmp_path / "d.json").mkdir()
     with pytest.raises(BadManifest):
-        manifest.load(str(tmp_path / "d.json"))
+        manifest_files.load(str(tmp_path / "d.json"))
 
 
 # ---------------------------------------------------------------------------- refusals at replay
@@ -344,10 +344,10 @@ def test_save_merges_deduplicates_and_leaves_no_temp_files(tmp_path):
     path = str(tmp_path / "sub" / "m.json")
     choice = TuneChoice("replay_kernels", "tuned_kernel", "s" * 64, [64, "torch.float16"],
                         {"kwargs": {"BLOCK": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None})
-    first = manifest.save(path, STAMP, [entry(), entry(block=64)], [choice])
-    again = manifest.save(path, STAMP, [entry(), entry(block=32)], [choice])
+    first = manifest_files.save(path, STAMP, [entry(), entry(block=64)], [choice])
+    again = manifest_files.save(path, STAMP, [entry(), entry(block=32)], [choice])
     assert (first.added, first.total, again.added, again.total) == (3, 3, 1, 4)
-    loaded = manifest.load(path)
+    loaded = manifest_files.load(path)
     assert len(loaded.entries) == 3 and loaded.autotune == [choice] and loaded.problems == []
     assert sorted(os.listdir(tmp_path / "sub")) == ["m.json", "m.json.lock"]
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
@@ -355,21 +355,21 @@ def test_save_merges_deduplicates_and_leaves_no_temp_files(tmp_path):
 
 def test_save_replaces_an_incompatible_or_unusable_file(tmp_path):
     path = write(tmp_path / "m.json", [entry()], stamp=Stamp(**{**STAMP.__dict__, "triton": "3.4.0"}))
-    result = manifest.save(str(path), STAMP, [entry(block=64)])
+    result = manifest_files.save(str(path), STAMP, [entry(block=64)])
     assert "replaced a manifest recorded with Triton 3.4.0" in result.note and result.total == 1
     path.chmod(0o666)
-    result = manifest.save(str(path), STAMP, [entry(block=32)])
+    result = manifest_files.save(str(path), STAMP, [entry(block=32)])
     assert "replaced an unusable manifest (refused: writable by group and others" in result.note
-    assert [e.key for e in manifest.load(str(path)).entries] == [entry(block=32).key]
+    assert [e.key for e in manifest_files.load(str(path)).entries] == [entry(block=32).key]
 
 
 WRITER = """
 import sys
-from kwarm_ext import manifest
+from kwarm_ext import manifest, manifest_files
 from test_manifest import STAMP, entry
 path, writer = sys.argv[1], int(sys.argv[2])
 for i in range(25):
-    manifest.save(path, STAMP, [entry(block=1000 * writer + i)])
+    manifest_files.save(path, STAMP, [entry(block=1000 * writer + i)])
 """
 
 
@@ -382,7 +382,7 @@ def test_two_writers_at_once(tmp_path):
                               text=True) for w in range(4)]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()
-    loaded = manifest.load(path)
+    loaded = manifest_files.load(path)
     assert len(loaded.entries) == 100 and loaded.problems == []
     assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
 
@@ -437,7 +437,7 @@ def test_manifest_merge(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert f"{other}: not merged: recorded for GPU architecture cuda:80, this GPU is cuda:90" in proc.stdout
     assert f"merged 2 manifests into {out}: 3 items (3 new)" in proc.stdout
-    assert len(manifest.load(str(out)).entries) == 3
+    assert len(manifest_files.load(str(out)).entries) == 3
     proc = kwarm_cli("manifest", "merge", str(rank0), "-o", str(out))
     assert proc.returncode == 0 and "3 items (0 new)" in proc.stdout
     assert kwarm_cli("manifest", "merge", str(tmp_path / "nope.json"), "-o", str(out)).returncode == 2

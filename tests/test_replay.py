@@ -214,7 +214,7 @@ from vllm.v1.worker.block_table import _compute_slot_mapping_kernel as slot_mapp
 from vllm.model_executor.layers.fla.ops.fused_gdn_prefill_post_conv import _fused_post_conv_kernel as post_conv
 import replay_kernels as rk
 rk.install_fake_driver()  # after the imports: vLLM's fla utils probe the device at import
-from kwarm_ext import learn, manifest, monitor, replay
+from kwarm_ext import learn, manifest_files, monitor, replay
 
 def launch():
     i32, i64, bf, f32 = torch.int32, torch.int64, torch.bfloat16, torch.float32
@@ -228,12 +228,12 @@ def launch():
                          grid=(1, 12))
 
 path = sys.argv[1]
-stamp = manifest.current_stamp(model="tiny", tp_size=1)
+stamp = manifest_files.current_stamp(model="tiny", tp_size=1)
 if not os.path.exists(path):
     recorder = learn.Recorder(("vllm.", "kwarm_ext."))
     monitor.listen(recorder.on_compile)
     launch()
-    manifest.save(path, stamp, recorder.take_unsaved())
+    manifest_files.save(path, stamp, recorder.take_unsaved())
     print(json.dumps({"recorded": recorder.recorded}))
 else:
     state = replay.prepare(path, stamp, ("vllm.", "kwarm_ext."))

@@ -1,6 +1,6 @@
 """Manifests, reports and configuration as untrusted input: the holes an adversarial test found
 (issue 16), each as a case that must stay closed. The engine side is ``replay.prepare`` and
-``manifest.save``/``load`` in-process; the CLI runs as a subprocess with a timeout, so that a
+``manifest_files.save``/``load`` in-process; the CLI runs as a subprocess with a timeout, so that a
 hang fails the test instead of the suite."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
-from kwarm_ext import config, manifest, replay, triton_compat, warmup
+from kwarm_ext import config, manifest, manifest_files, replay, triton_compat, warmup
 from kwarm_ext.manifest import BadManifest, Stamp
 
 triton = pytest.importorskip("triton")
@@ -56,10 +56,10 @@ def test_a_fifo_at_the_manifest_path_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "m.json"
     os.mkfifo(fifo, 0o600)
     code = f"""
-from kwarm_ext import manifest
+from kwarm_ext import manifest, manifest_files
 from kwarm_ext.manifest import Stamp
-for call in (lambda: manifest.load({str(fifo)!r}),
-             lambda: manifest.save({str(fifo)!r}, Stamp("3.6.0", "cuda:90"))):
+for call in (lambda: manifest_files.load({str(fifo)!r}),
+             lambda: manifest_files.save({str(fifo)!r}, Stamp("3.6.0", "cuda:90"))):
     try:
         call()
     except manifest.BadManifest as exc:
@@ -80,7 +80,7 @@ def test_a_device_node_is_never_replaced(tmp_path):
     node = tmp_path / "dev-null"
     os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(1, 3))
     with pytest.raises(BadManifest, match="refused to replace .*not a regular file"):
-        manifest.save(str(node), STAMP, [entry()])
+        manifest_files.save(str(node), STAMP, [entry()])
     with pytest.raises(BadManifest, match="not a regular file"):
         warmup.write_report({"total_s": 1}, str(node), 0)
     assert stat.S_ISCHR(os.lstat(node).st_mode), "still the device"
@@ -102,20 +102,20 @@ def test_a_held_lock_is_waited_for_a_bounded_time(tmp_path, monkeypatch):
     path = tmp_path / "m.json"
     holder = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(holder, fcntl.LOCK_EX)  # a stopped process that holds the lock
-    monkeypatch.setattr(manifest, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(manifest_files, "LOCK_TIMEOUT_S", 0.3)
     t0 = time.monotonic()
-    with pytest.raises(manifest.LockTimeout, match="held by another process for over 0.3 s; not saved"):
-        manifest.save(str(path), STAMP, [entry()])
+    with pytest.raises(manifest_files.LockTimeout, match="held by another process for over 0.3 s; not saved"):
+        manifest_files.save(str(path), STAMP, [entry()])
     assert time.monotonic() - t0 < 3 and not path.exists()
     os.close(holder)
-    assert manifest.save(str(path), STAMP, [entry()]).added == 1, "saves once it is free"
+    assert manifest_files.save(str(path), STAMP, [entry()]).added == 1, "saves once it is free"
 
 
 def test_a_symlinked_lock_is_refused_and_its_target_never_created(tmp_path):
     path, target = tmp_path / "m.json", tmp_path / "elsewhere"
     os.symlink(target, str(path) + ".lock")
     with pytest.raises(BadManifest, match="cannot open the lock"):
-        manifest.save(str(path), STAMP, [entry()])
+        manifest_files.save(str(path), STAMP, [entry()])
     assert not target.exists() and not path.exists()
 
 
@@ -127,7 +127,7 @@ def test_another_users_lock_file_is_refused(tmp_path):
     os.chmod(lock, 0o666)
     os.chown(lock, 65534, 65534)
     with pytest.raises(BadManifest, match="refused the lock .*not a regular file of this user"):
-        manifest.save(str(path), STAMP, [entry()])
+        manifest_files.save(str(path), STAMP, [entry()])
 
 
 def test_a_learner_whose_save_times_out_exits_promptly(tmp_path):
@@ -135,9 +135,9 @@ def test_a_learner_whose_save_times_out_exits_promptly(tmp_path):
     code = f"""
 import fcntl, os, sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from kwarm_ext import learn, manifest
+from kwarm_ext import learn, manifest, manifest_files
 from kwarm_ext.manifest import Stamp
-manifest.LOCK_TIMEOUT_S = 0.5
+manifest_files.LOCK_TIMEOUT_S = 0.5
 path = {str(tmp_path / 'm.json')!r}
 fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
 pid = os.fork()
@@ -180,10 +180,10 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     path.write_text("[" * 100_000 + "]" * 100_000)
     path.chmod(0o600)
     with pytest.raises(BadManifest, match="nested too deeply"):
-        manifest.load(str(path))
+        manifest_files.load(str(path))
     proc = kwarm_cli("manifest", "show", str(path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stdout.splitlines()) == 1
-    result = manifest.save(str(path), STAMP, [entry()])  # learning can replace it
+    result = manifest_files.save(str(path), STAMP, [entry()])  # learning can replace it
     assert result.added == 1 and "nested too deeply" in result.note
 
 
@@ -267,7 +267,7 @@ def test_a_killed_saves_temporary_is_cleaned_up(tmp_path):
     stale.write_text("")
     other = tmp_path / ".other.json.x.tmp"
     other.write_text("")
-    manifest.save(str(path), STAMP, [entry()])
+    manifest_files.save(str(path), STAMP, [entry()])
     assert not stale.exists() and other.exists() and path.exists()
 
 
@@ -289,6 +289,6 @@ def test_a_manifest_written_by_another_user_in_a_shared_folder_is_refused(tmp_pa
     state = replay.prepare(str(path), STAMP, ALLOWED)
     assert state.jobs == [] and "owned by uid 65534" in state.refused
     with pytest.raises(BadManifest, match="owned by uid 65534, not this user"):
-        manifest.save(str(path), STAMP, [entry()])
+        manifest_files.save(str(path), STAMP, [entry()])
     assert os.stat(path).st_uid == 65534, "not replaced"
     shutil.rmtree(request_cleanup)

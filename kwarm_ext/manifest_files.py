@@ -1,0 +1,260 @@
+"""Manifest files: read only when trusted (a regular file owned by this user, writable by no
+one else), written by every learning rank under an ``fcntl`` lock as merge-and-deduplicate,
+atomically, in their default location. The schema and the parser are ``kwarm_ext.manifest``.
+Imports neither Triton nor torch."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import stat
+import tempfile
+import time
+from kwarm_ext.manifest import (
+    BadManifest, MAX_BYTES, Manifest, Stamp, _document, _stamp, _token_counts, parse, printable, short_hash)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Why a file with this status may not be read as a manifest (None when it may)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root"
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if writable:
+        return f"writable by {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def read_trusted(path: str) -> str:
+    """The file's text, if it passes :func:`untrusted_reason` (checked before opening, so that
+    no FIFO or device is ever opened, and again on the opened file, so that a swap between the
+    check and the read is impossible). FileNotFoundError passes through."""
+    try:
+        reason = untrusted_reason(os.stat(path))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BadManifest(f"cannot read ({exc.strerror})") from None
+    if reason:
+        raise BadManifest(f"refused: {reason}")
+    try:  # non-blocking: a FIFO swapped in after the check does not hang the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BadManifest(f"cannot open ({exc.strerror})") from None
+    reason = untrusted_reason(os.fstat(fd))
+    if reason:
+        os.close(fd)
+        raise BadManifest(f"refused: {reason}")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise BadManifest(f"larger than {MAX_BYTES >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadManifest("not UTF-8 text") from None
+
+
+def check_writable_target(path: str) -> None:
+    """Raise :class:`BadManifest` unless `path` is absent or a regular file this user owns:
+    a save never replaces a device, a FIFO, a directory or another user's file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+    if not stat.S_ISREG(st.st_mode):
+        raise BadManifest(f"refused to replace {printable(path)}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise BadManifest(f"refused to replace {printable(path)}: owned by uid {st.st_uid}, not this user")
+
+
+def load(path: str) -> Manifest:
+    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`."""
+    return parse(read_trusted(path))
+
+
+def read_token_counts(path: str, stamp: Stamp) -> list:
+    """The learned step sizes of the manifest at `path` if it serves `stamp`, else []: the
+    same trust checks as :func:`load`, without validating every entry a second time at
+    engine start (replay does that)."""
+    try:
+        data = _document(read_trusted(path))
+        if _stamp(data.get("stamp")).incompatibility(stamp):
+            return []
+    except (FileNotFoundError, BadManifest):
+        return []
+    return _token_counts(data.get("token_counts", []), [])
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    path: str
+    added: int
+    total: int
+    note: str | None = None  # why an existing file was replaced rather than merged
+
+
+def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> SaveResult:
+    """Merge `entries`/`autotune` into the manifest at `path`, under a lock, atomically.
+
+    Several TP ranks and processes may call this at once: the read-merge-write runs under an
+    exclusive ``flock`` on ``<path>.lock``, and readers only ever see a complete file. An
+    existing file that is unreadable, untrusted or stamped for another Triton/GPU is
+    replaced (and said so in ``note``), never merged."""
+    directory = os.path.dirname(os.path.abspath(path))
+    check_writable_target(path)  # before the lock: no <dir>.lock beside a directory
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with _locked(path + ".lock"):
+        check_writable_target(path)
+        _remove_stale_temporaries(path)
+        current, note = _existing(path, stamp)
+        added = current.merge(entries, autotune, token_counts)
+        if added or note or not os.path.exists(path):
+            _write_atomic(path, current.as_json())
+    return SaveResult(path, added, len(current.entries) + len(current.autotune), note)
+
+
+def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
+    try:
+        current = load(path)
+    except FileNotFoundError:
+        return Manifest(stamp), None
+    except BadManifest as exc:
+        return Manifest(stamp), f"replaced an unusable manifest ({exc})"
+    why = current.stamp.incompatibility(stamp)
+    if why:
+        return Manifest(stamp), f"replaced a manifest {why}"
+    current.stamp = stamp
+    return current, None
+
+
+def _dumps(obj: dict) -> str:
+    """JSON with one top-level field per line and one list item per line: diffable, compact."""
+    lines = []
+    for name, value in obj.items():
+        if isinstance(value, list) and value:
+            items = ",\n".join("  " + json.dumps(item, separators=(",", ":")) for item in value)
+            lines.append(f" {json.dumps(name)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(name)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+LOCK_TIMEOUT_S = 10.0
+
+
+class LockTimeout(BadManifest):
+    """Another process held the manifest's lock for too long: this save is skipped."""
+
+
+@contextlib.contextmanager
+def _locked(lock_path: str):
+    """An exclusive ``flock`` on `lock_path`, a regular file of this user's opened without
+    following a symlink; waits at most LOCK_TIMEOUT_S seconds, then raises
+    :class:`LockTimeout`: a stopped or hostile holder never blocks a save, or an exit, for good."""
+    import fcntl
+
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+    try:
+        fd = os.open(lock_path, flags, 0o600)
+    except OSError as exc:
+        raise BadManifest(f"cannot open the lock {printable(lock_path)} ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise BadManifest(f"refused the lock {printable(lock_path)}: not a regular file of this user")
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(f"the lock {printable(lock_path)} was held by another process for over "
+                                      f"{LOCK_TIMEOUT_S:g} s; not saved") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _remove_stale_temporaries(path: str) -> None:
+    """Delete this user's ``.<name>.*.tmp`` files beside `path`: under the lock no save is
+    writing one, so they are what a killed save left."""
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}."
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                        os.unlink(entry.path)
+
+
+def _write_atomic(path: str, obj: dict) -> None:
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_dumps(obj))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------- location
+
+
+def cache_dir() -> str:
+    """``$XDG_CACHE_HOME/kwarm`` (when absolute, as the XDG spec requires), else ``~/.cache/kwarm``."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kwarm")
+
+
+def default_path(stamp: Stamp) -> str:
+    """One file per model and versions, e.g. ``Qwen3-Next-80B-A3B-Instruct.tp2.cuda90.1a2b3c4d5e.json``."""
+    tail = (stamp.model or "model").rstrip("/").split("/")[-1]
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", tail)[:60].strip("._") or "model"
+    digest = short_hash(json.dumps(dataclasses.asdict(stamp), sort_keys=True))
+    arch = re.sub(r"[^A-Za-z0-9]+", "", stamp.arch)
+    return os.path.join(cache_dir(), f"{tail}.tp{stamp.tp_size or 1}.{arch}.{digest}.json")
+
+
+def current_stamp(model: str | None = None, tp_size: int | None = None) -> Stamp | None:
+    """This process's stamp; None without Triton or without an active driver (no target)."""
+    import importlib.metadata as md
+
+    from kwarm_ext import triton_compat
+
+    def version(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    triton, arch = triton_compat.triton_version(), triton_compat.current_arch()
+    if triton is None or arch is None:
+        return None
+    return Stamp(triton=triton, arch=arch, torch=version("torch"), vllm=version("vllm"),
+                 tp_size=tp_size, model=model)
