@@ -146,9 +146,11 @@ def _ensure_installed(knobs) -> None:
     current = knobs.runtime.jit_post_compile_hook
     if current is _hook or (_state.installed and _reaches_us(current)):
         return
-    from kwarm_ext.triton_compat import patch_serializer
+    from triton.runtime import jit
 
-    patch_serializer()  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
+    from kwarm_ext.patches import SERIALIZER
+
+    SERIALIZER.apply(jit)  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
     _state.prev, _state.installed = current, True
     knobs.runtime.jit_post_compile_hook = _hook
 

@@ -1,6 +1,7 @@
-"""kwarm's monkey-patches of vLLM, declared in one table (``PATCHES``, at the end: target, wrapper,
-releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
-The three: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
+"""kwarm's monkey-patches of vLLM and Triton, declared in one table (``PATCHES``, at the end: target,
+wrapper, releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
+Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6 (documented at
+:func:`_wrap_serialize_specialization_data`). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
 warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
 CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
@@ -24,8 +25,7 @@ each release by ``kwarm doctor`` and tests/test_hook.py). It can go when vLLM of
 public warmup-extension point that runs at the same moment (the JIT-warmup registry
 of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
 
-Elsewhere, by design: the Triton serializer patch (``triton_compat.patch_serializer``, for
-learning) and the scoped, instance-level ``run`` shadows of compile-ahead and launch
+Elsewhere, by design: the scoped, instance-level ``run`` shadows of compile-ahead and launch
 recording (``triton_compile.launches_compile_only``, ``kernels/triton_attn.observed_launches``),
 which patch Triton objects for the length of a ``with`` block.
 """
@@ -47,8 +47,9 @@ FRONTEND_MODULE = "vllm.v1.engine.input_processor"
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    """One monkey-patch of vLLM: ``module[.owner].attribute`` wrapped (wrapt) by `wrapper`.
-    The wrapper's docstring says why it exists and when it can go; `releases` where it is needed."""
+    """One monkey-patch: ``module[.owner].attribute`` wrapped (wrapt) by `wrapper`. The wrapper's
+    docstring says why it exists and when it can go; `releases` where it is needed, and `when`
+    (if set) decides at apply time whether this process needs it."""
 
     module: str
     attribute: str
@@ -57,6 +58,7 @@ class Patch:
     lost: str  # what does not happen when the patch cannot be applied
     owner: str | None = None  # the class holding `attribute`, or None for a module attribute
     announce: str | None = None  # an info line once applied
+    when: Callable[[], bool] | None = None  # needed here (a library version); None: always
 
     @property
     def target(self) -> str:
@@ -83,6 +85,8 @@ class Patch:
         """Wrap once; returns whether this call wrapped. An absent target is one warning."""
         import wrapt
 
+        if self.when is not None and not self.when():
+            return False
         holder = self.holder(module)
         if holder is None:
             logger.warning("kwarm: %s has no %s in this vLLM; %s", self.module,
@@ -212,11 +216,47 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     return result
 
 
-# The table: every vLLM patch kwarm installs (each wrapper above says why and until when).
+def _wrap_serialize_specialization_data(wrapped, instance, args, kwargs):
+    """Triton's ``serialize_specialization_data``, made unable to raise.
+
+    Why: on Triton 3.4-3.6 ``JITFunction._call_hook`` serializes the specialization before
+    calling any post-compile hook, and the stock serializer raises ``TypeError: Object of type
+    JITFunction is not JSON serializable`` for a kernel taking a ``@jit`` function as a
+    constexpr: with *any* hook installed (kwarm's learning and capture, or vLLM's JIT monitor)
+    that launch fails. How: the original runs first; only when it raises is the data encoded
+    by ``triton_compat.fallback_serialize``. Versions: Triton 3.4-3.6 (``when``); it can go
+    when kwarm requires Triton >= 3.7.
+    """
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception:
+        from kwarm_ext.triton_compat import fallback_serialize
+
+        return fallback_serialize(*args, **kwargs)
+
+
+def _triton_before_3_7() -> bool:
+    """From the installed distribution: the hook fires while ``triton`` itself is importing."""
+    from importlib import metadata
+
+    from kwarm_ext.triton_compat import version_tuple
+
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return version_tuple(metadata.version(dist)) < (3, 7)
+        except metadata.PackageNotFoundError:
+            continue
+    return version_tuple() < (3, 7)
+
+
+# The table: every patch kwarm installs (each wrapper above says why and until when).
+SERIALIZER = Patch("triton.runtime.jit", "serialize_specialization_data", _wrap_serialize_specialization_data,
+                   "Triton 3.4-3.6", "a kernel taking a @jit function as a constexpr fails to launch while "
+                   "a compile hook is installed", when=_triton_before_3_7)
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
                       "kwarm's after-capture steps will not run", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-PATCHES = (KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
+PATCHES = (SERIALIZER, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

@@ -312,54 +312,13 @@ def function_refs(value) -> list[str]:
     return []
 
 
-# ---------------------------------------------------------------------------- the 3.4-3.6 serializer
+# ---------------------------------------------------------------------------- the 3.4-3.6 serializer's fallback
 
 
-_SERIALIZER_MARK = "_kwarm_safe_serializer"
-
-
-def patch_serializer() -> bool:
-    """Make ``triton.runtime.jit.serialize_specialization_data`` unable to raise.
-
-    Why: on Triton 3.4-3.6 ``JITFunction._call_hook`` serializes the specialization before
-    calling any post-compile hook, and the stock serializer raises ``TypeError: Object of type
-    JITFunction is not JSON serializable`` for a kernel taking a ``@jit`` function as a
-    constexpr: with *any* hook installed (kwarm's, or vLLM's JIT monitor) that launch fails.
-    How: the original runs first; only when it raises is the data encoded by kwarm, with
-    functions as ``{"jit_function": "mod:qualname"}`` (Triton 3.7's own encoding).
-    Versions: installed on Triton < 3.7 only. Remove when kwarm requires Triton >= 3.7.
-    """
-    if version_tuple() >= (3, 7):
-        return False
-    from triton.runtime import jit
-
-    original = jit.serialize_specialization_data
-    if getattr(original, _SERIALIZER_MARK, False):
-        return False
-
-    def serialize_specialization_data(name, signature, constants, attrs, options, key):
-        try:
-            return original(name, signature, constants, attrs, options, key)
-        except Exception:
-            return _fallback_serialize(name, signature, constants, attrs, options, key)
-
-    serialize_specialization_data.__wrapped__ = original
-    setattr(serialize_specialization_data, _SERIALIZER_MARK, True)
-    jit.serialize_specialization_data = serialize_specialization_data
-    return True
-
-
-def unpatch_serializer() -> bool:
-    from triton.runtime import jit
-
-    current = jit.serialize_specialization_data
-    if not getattr(current, _SERIALIZER_MARK, False):
-        return False
-    jit.serialize_specialization_data = current.__wrapped__
-    return True
-
-
-def _fallback_serialize(name, signature, constants, attrs, options, key) -> str:
+def fallback_serialize(name, signature, constants, attrs, options, key) -> str:
+    """What ``serialize_specialization_data`` returns when Triton's own raises (Triton 3.4-3.6,
+    see ``kwarm_ext.patches.SERIALIZER``): functions as ``{"jit_function": "mod:qualname"}``
+    (Triton 3.7's own encoding), anything else unencodable as its repr."""
     def constant(value):
         try:
             return encode_constant(value)
