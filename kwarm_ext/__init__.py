@@ -8,7 +8,7 @@ import it before anything else is known, so it imports nothing but the standard
 library until :func:`activate` decides that kwarm is enabled.
 """
 
-__version__ = "0.1.0"
+from kwarm_ext._version import __version__
 __all__ = ["activate", "__version__"]
 
 

@@ -13,6 +13,7 @@ Activation registers import hooks only: it never imports vLLM, torch or Triton.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 from kwarm_ext import config
@@ -53,3 +54,12 @@ def is_active() -> bool:
 
 def _strict() -> bool:
     return config.strict()
+
+
+def bootstrap_dir() -> str:
+    """The folder holding kwarm's ``sitecustomize.py`` (``kwarm_ext/_bootstrap`` when installed)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "_bootstrap")
+    if os.path.isfile(os.path.join(installed, "sitecustomize.py")):
+        return installed
+    return os.path.dirname(here)  # a source checkout: the repository root

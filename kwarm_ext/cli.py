@@ -25,15 +25,6 @@ configuration (environment):
     "kwarm_ext.config", fromlist=["VARIABLES"]).VARIABLES.items())
 
 
-def bootstrap_dir() -> str:
-    """The folder holding kwarm's ``sitecustomize.py`` (``kwarm_ext/_bootstrap`` when installed)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    installed = os.path.join(here, "_bootstrap")
-    if os.path.isfile(os.path.join(installed, "sitecustomize.py")):
-        return installed
-    return os.path.dirname(here)  # a source checkout: the repository root
-
-
 def run_command(argv: list[str], learn: bool = False) -> int:
     """Exec `argv` with KWARM_ENABLE=1 (and KWARM_LEARN=1 with `learn`) and kwarm's bootstrap
     first on PYTHONPATH."""
@@ -46,6 +37,8 @@ def run_command(argv: list[str], learn: bool = False) -> int:
     env["KWARM_ENABLE"] = "1"
     if learn:
         env["KWARM_LEARN"] = "1"
+    from kwarm_ext.activation import bootstrap_dir
+
     boot = bootstrap_dir()
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
     env["PYTHONPATH"] = os.pathsep.join([boot, *parts])

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 import threading
 from typing import Mapping
 
@@ -50,6 +51,21 @@ FALSE = ("0", "false", "no", "off", "")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 logger = logging.getLogger("kwarm")
+_LOG_FORMAT = "%(levelname)s %(asctime)s [kwarm %(filename)s:%(lineno)d] %(message)s"  # vLLM's layout
+_LOG_DATEFMT = "%m-%d %H:%M:%S"
+
+
+def configure_logging(level: str = "INFO") -> logging.Logger:
+    """Give the ``kwarm`` logger one stream handler in vLLM's format (idempotent) and `level`
+    (``KWARM_LOG_LEVEL``)."""
+    if not any(getattr(h, "_kwarm", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT, _LOG_DATEFMT))
+        handler._kwarm = True
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+    return logger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +287,7 @@ def get() -> Settings:
     with _lock:
         if _settings is None:
             _settings = parse()
-            from kwarm_ext.log import configure
-
-            configure(_settings.log_level)
+            configure_logging(_settings.log_level)
             for problem in _settings.problems:
                 logger.warning(problem)
         return _settings

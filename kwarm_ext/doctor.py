@@ -27,7 +27,7 @@ def _site_dirs() -> list[str]:
 
 
 def doors(enabled: bool) -> dict:
-    from kwarm_ext.cli import bootstrap_dir
+    from kwarm_ext.activation import bootstrap_dir
 
     pth = [p for d in _site_dirs() for p in glob.glob(os.path.join(d, "kwarm-ext.pth"))]
     boot = bootstrap_dir()
@@ -106,7 +106,8 @@ def enabled_text(raw: str | None, enabled: bool) -> str:
 
 
 def collect() -> dict:
-    from kwarm_ext import __version__, activation, config
+    from kwarm_ext import activation, config
+    from kwarm_ext._version import __version__
     from kwarm_ext.families import FAMILIES, FRONTEND
     from kwarm_ext.upstream import ATTENTION_BACKENDS, UPSTREAM_WARMUPS, detect
 

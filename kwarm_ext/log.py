@@ -1,27 +1,12 @@
-"""The ``kwarm`` logger, formatted like vLLM's own lines (``INFO 11-29 16:02:11 [file.py:42] ...``)."""
+"""kwarm's failure policy (:func:`fail_open`) and the ``kwarm`` logger it writes to (formatted like
+vLLM's own lines by ``kwarm_ext.config.configure_logging``)."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-import sys
 
-_FORMAT = "%(levelname)s %(asctime)s [kwarm %(filename)s:%(lineno)d] %(message)s"
-_DATEFMT = "%m-%d %H:%M:%S"
-
-logger = logging.getLogger("kwarm")
-
-
-def configure(level: str = "INFO") -> logging.Logger:
-    """Give the ``kwarm`` logger one stream handler in vLLM's format (idempotent)."""
-    if not any(getattr(h, "_kwarm", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter(_FORMAT, _DATEFMT))
-        handler._kwarm = True
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
-    return logger
+logger = logging.getLogger("kwarm")  # its handler and level: kwarm_ext.config.configure_logging
 
 
 @dataclasses.dataclass

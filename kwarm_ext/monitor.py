@@ -148,7 +148,7 @@ def _ensure_installed(knobs) -> None:
         return
     from triton.runtime import jit
 
-    from kwarm_ext.patches import SERIALIZER
+    from kwarm_ext.triton_compat import SERIALIZER
 
     SERIALIZER.apply(jit)  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
     _state.prev, _state.installed = current, True

@@ -31,11 +31,11 @@ which patch Triton objects for the length of a ``with`` block.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Callable
 
 from kwarm_ext.log import fail_open
+from kwarm_ext.patching import Patch
+from kwarm_ext.triton_compat import SERIALIZER
 
 logger = logging.getLogger("kwarm")
 
@@ -43,68 +43,6 @@ TARGET_MODULE = "vllm.v1.worker.gpu_worker"
 TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    """One monkey-patch: ``module[.owner].attribute`` wrapped (wrapt) by `wrapper`. The wrapper's
-    docstring says why it exists and when it can go; `releases` where it is needed, and `when`
-    (if set) decides at apply time whether this process needs it."""
-
-    module: str
-    attribute: str
-    wrapper: Callable
-    releases: str
-    lost: str  # what does not happen when the patch cannot be applied
-    owner: str | None = None  # the class holding `attribute`, or None for a module attribute
-    announce: str | None = None  # an info line once applied
-    when: Callable[[], bool] | None = None  # needed here (a library version); None: always
-
-    @property
-    def target(self) -> str:
-        return ".".join(filter(None, (self.module, self.owner, self.attribute)))
-
-    def holder(self, module):
-        """What holds the attribute in `module` (the module or its class); None if absent."""
-        holder = module if self.owner is None else getattr(module, self.owner, None)
-        return holder if holder is not None and callable(getattr(holder, self.attribute, None)) else None
-
-    def current(self, module):
-        holder = self.holder(module)
-        if holder is None:
-            return None
-        return getattr(holder, self.attribute) if self.owner is None else vars(holder).get(self.attribute)
-
-    def applied(self, module) -> bool:
-        import wrapt
-
-        current = self.current(module)
-        return isinstance(current, wrapt.FunctionWrapper) and current._self_wrapper is self.wrapper
-
-    def apply(self, module) -> bool:
-        """Wrap once; returns whether this call wrapped. An absent target is one warning."""
-        import wrapt
-
-        if self.when is not None and not self.when():
-            return False
-        holder = self.holder(module)
-        if holder is None:
-            logger.warning("kwarm: %s has no %s in this vLLM; %s", self.module,
-                           ".".join(filter(None, (self.owner, self.attribute))), self.lost)
-            return False
-        if self.applied(module):
-            return False
-        wrapt.wrap_function_wrapper(holder, self.attribute, self.wrapper)
-        if self.announce:
-            logger.info("kwarm: hooked %s: %s", self.target, self.announce)
-        return True
-
-    def remove(self, module) -> bool:
-        """Restore the original (tests, and a clean uninstall); returns whether it was wrapped."""
-        if not self.applied(module):
-            return False
-        setattr(self.holder(module), self.attribute, self.current(module).__wrapped__)
-        return True
 
 
 _installed = False
@@ -216,43 +154,7 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     return result
 
 
-def _wrap_serialize_specialization_data(wrapped, instance, args, kwargs):
-    """Triton's ``serialize_specialization_data``, made unable to raise.
-
-    Why: on Triton 3.4-3.6 ``JITFunction._call_hook`` serializes the specialization before
-    calling any post-compile hook, and the stock serializer raises ``TypeError: Object of type
-    JITFunction is not JSON serializable`` for a kernel taking a ``@jit`` function as a
-    constexpr: with *any* hook installed (kwarm's learning and capture, or vLLM's JIT monitor)
-    that launch fails. How: the original runs first; only when it raises is the data encoded
-    by ``triton_compat.fallback_serialize``. Versions: Triton 3.4-3.6 (``when``); it can go
-    when kwarm requires Triton >= 3.7.
-    """
-    try:
-        return wrapped(*args, **kwargs)
-    except Exception:
-        from kwarm_ext.triton_compat import fallback_serialize
-
-        return fallback_serialize(*args, **kwargs)
-
-
-def _triton_before_3_7() -> bool:
-    """From the installed distribution: the hook fires while ``triton`` itself is importing."""
-    from importlib import metadata
-
-    from kwarm_ext.triton_compat import version_tuple
-
-    for dist in ("triton", "pytorch-triton"):
-        try:
-            return version_tuple(metadata.version(dist)) < (3, 7)
-        except metadata.PackageNotFoundError:
-            continue
-    return version_tuple() < (3, 7)
-
-
 # The table: every patch kwarm installs (each wrapper above says why and until when).
-SERIALIZER = Patch("triton.runtime.jit", "serialize_specialization_data", _wrap_serialize_specialization_data,
-                   "Triton 3.4-3.6", "a kernel taking a @jit function as a constexpr fails to launch while "
-                   "a compile hook is installed", when=_triton_before_3_7)
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",

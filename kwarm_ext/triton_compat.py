@@ -12,7 +12,6 @@ Nothing here imports Triton at module import time.
 """
 from __future__ import annotations
 
-from typing import Any
 import ast
 import dataclasses
 import importlib
@@ -20,6 +19,9 @@ import json
 import os
 import re
 import sys
+from typing import Any
+
+from kwarm_ext.patching import Patch
 
 
 
@@ -471,3 +473,40 @@ def param_mode(kernel, name: str) -> str:
     dns = fn.kwargs.get("do_not_specialize") or ()
     index = list(sig).index(name)
     return "dns" if (name in dns or index in dns) else "class"
+
+
+# ---------------------------------------------------------------------------- the serializer patch
+# One entry of kwarm's patch table (kwarm_ext.patches.PATCHES), defined beside what it wraps.
+
+def _wrap_serialize_specialization_data(wrapped, instance, args, kwargs):
+    """Triton's ``serialize_specialization_data``, made unable to raise.
+
+    Why: on Triton 3.4-3.6 ``JITFunction._call_hook`` serializes the specialization before
+    calling any post-compile hook, and the stock serializer raises ``TypeError: Object of type
+    JITFunction is not JSON serializable`` for a kernel taking a ``@jit`` function as a
+    constexpr: with *any* hook installed (kwarm's learning and capture, or vLLM's JIT monitor)
+    that launch fails. How: the original runs first; only when it raises is the data encoded
+    by ``triton_compat.fallback_serialize``. Versions: Triton 3.4-3.6 (``when``); it can go
+    when kwarm requires Triton >= 3.7.
+    """
+    try:
+        return wrapped(*args, **kwargs)
+    except Exception:
+        return fallback_serialize(*args, **kwargs)
+
+
+def _triton_before_3_7() -> bool:
+    """From the installed distribution: the hook fires while ``triton`` itself is importing."""
+    from importlib import metadata
+
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return version_tuple(metadata.version(dist)) < (3, 7)
+        except metadata.PackageNotFoundError:
+            continue
+    return version_tuple() < (3, 7)
+
+
+SERIALIZER = Patch("triton.runtime.jit", "serialize_specialization_data", _wrap_serialize_specialization_data,
+                   "Triton 3.4-3.6", "a kernel taking a @jit function as a constexpr fails to launch while "
+                   "a compile hook is installed", when=_triton_before_3_7)

@@ -282,6 +282,6 @@ def write_report(report: dict, path: str, rank: int) -> str:
 
 
 def _kwarm_version() -> str:
-    from kwarm_ext import __version__
+    from kwarm_ext._version import __version__
 
     return __version__
