@@ -3,9 +3,9 @@ DeepGEMM warmup runs.
 
 Why: on a block-FP8 model (DeepSeek-V3.2, GLM-5 checkpoints), ``kernel_warmup`` runs vLLM's
 DeepGEMM warmup (``VLLM_DEEP_GEMM_WARMUP``, ``vllm/model_executor/warmup/deep_gemm_warmup.py``):
-``fp8_gemm_nt`` at every token count up to ``max_num_batched_tokens`` (``full``, the default)
-for each linear weight shape, and ``m_grouped_fp8_gemm_nt_contiguous`` at its boundary counts
-for each MoE. Every new kernel configuration is compiled there by NVCC, one at a time, on one
+``fp8_gemm_nt`` for each linear weight shape at the token counts where DeepGEMM's kernel
+choice changes (``relax``, the default) or at every count up to ``max_num_batched_tokens``
+(``full``), and ``m_grouped_fp8_gemm_nt_contiguous`` at its boundary counts for each MoE. Every new kernel configuration is compiled there by NVCC, one at a time, on one
 core: about 3.3 s per kernel on the H200 host (BENCHMARKS.md, "DeepGEMM's JIT"). The compiles
 are independent of each other, and DeepGEMM keeps each one in ``DG_JIT_CACHE_DIR``, which
 processes share: a kernel another process compiled is loaded, not compiled again.
@@ -123,13 +123,14 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
 
     cache = _cache_dir()
     before = cached_kernels(cache)
-    buffers = _buffers(jobs, device)
+    probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
     t0 = time.perf_counter()
-    run_counts(jobs[:1], [jobs[0]["counts"][:1]], buffers)
+    run_counts(probe, [probe[0]["counts"]], _buffers(probe, device))
     torch.cuda.synchronize(device)
     probe_s = time.perf_counter() - t0
     if probe_s < COLD_PROBE_S:
         return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+    buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     per_child = assign([job["counts"] for job in jobs], children)
@@ -173,11 +174,16 @@ def _buffers(jobs: list, device: str) -> dict:
         return max(m for m, _, _ in job["counts"]) * per_row(job["w"])
 
     a = max(need(j, lambda w: w.shape[-1]) for j in jobs)
-    scale = max(need(j, lambda w: -(-w.shape[-1] // 128)) for j in jobs)
+    scale = max(need(j, lambda w: _scale_cols(w.shape[-1])) for j in jobs)
     out = max(need(j, lambda w: w.shape[-2]) for j in jobs)
     return {"a": torch.empty(a, device=device, dtype=torch.float8_e4m3fn),
             "scale": torch.empty(scale, device=device, dtype=torch.float32),
             "out": torch.empty(out, device=device, dtype=torch.bfloat16)}
+
+
+def _scale_cols(k: int) -> int:
+    """Columns of an activation's block-FP8 scales: one per 128 of K."""
+    return -(-k // 128)
 
 
 def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
@@ -190,7 +196,7 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
         n, k = w.shape[-2], w.shape[-1]
         for m, align, expert_ids in counts:
             a = buffers["a"][:m * k].view(m, k)
-            a_s = buffers["scale"][:m * -(-k // 128)].view(m, -(-k // 128))
+            a_s = buffers["scale"][:m * _scale_cols(k)].view(m, _scale_cols(k))
             out = buffers["out"][:m * n].view(m, n)
             if job["kind"] == "linear":
                 deep_gemm.fp8_gemm_nt((a, a_s), (w, ws), out)

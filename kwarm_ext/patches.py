@@ -1,7 +1,7 @@
 """kwarm's monkey-patches of vLLM and Triton, declared in one table (``PATCHES``, at the end: target,
 wrapper, releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
 Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6 (documented at
-:func:`_wrap_serialize_specialization_data`). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
+``triton_compat._wrap_serialize_specialization_data``, defined beside what it wraps). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
 warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
 CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at

@@ -116,10 +116,12 @@ def ahead(worker) -> list:
         return []
     settings = config.get()
     t0 = time.perf_counter()
-    try:
-        view = guarded("engine view", lambda: engine.build(worker))
-    except StepFailed:
-        view = None
+    view = None
+    if any(settings.warmups.wants(name) for name in names):  # a view only where one will run
+        try:
+            view = guarded("engine view", lambda: engine.build(worker))
+        except StepFailed:
+            pass
     results = [_run_family(name, view, settings) for name in names]
     _ahead[id(worker)] = (results, time.perf_counter() - t0)
     return results
