@@ -28,23 +28,28 @@ from pathlib import Path
 
 
 def _tensors(n: int, k: int, max_m: int):
+    """The block-FP8 weight and its scales, and scratch for up to `max_m` tokens laid out as
+    kwarm's deep_gemm family passes it to :func:`run_counts` (flat activations, scales, outputs)."""
     import torch
     w = torch.randn((n, k), device="cuda").to(torch.float8_e4m3fn)
     ws = torch.ones(((n + 127) // 128, (k + 127) // 128), device="cuda", dtype=torch.float32)
-    a = torch.randn((max_m, k), device="cuda").to(torch.float8_e4m3fn)
-    a_s = torch.ones((max_m, k // 128), device="cuda", dtype=torch.float32)
-    out = torch.empty((max_m, n), device="cuda", dtype=torch.bfloat16)
-    return w, ws, a, a_s, out
+    buffers = {"a": torch.randn(max_m * k, device="cuda").to(torch.float8_e4m3fn),
+               "scale": torch.ones(max_m * ((k + 127) // 128), device="cuda", dtype=torch.float32),
+               "out": torch.empty(max_m * n, device="cuda", dtype=torch.bfloat16)}
+    return w, ws, buffers
 
 
 def _run(n: int, k: int, ms: list[int], threads: int = 1) -> float:
+    """Seconds for vLLM's ``fp8_gemm_nt`` at each token count in `ms`, called as kwarm's
+    deep_gemm family calls it (``run_counts``), one by one or from `threads` threads."""
     import torch
-    from vllm.utils.deep_gemm import fp8_gemm_nt
-    w, ws, a, a_s, out = _tensors(n, k, max(ms))
+    from kwarm_ext.kernels.deep_gemm import run_counts
+    w, ws, buffers = _tensors(n, k, max(ms))
+    job = {"kind": "linear", "w": w, "ws": ws}
     torch.cuda.synchronize()
 
     def one(m: int) -> None:
-        fp8_gemm_nt((a[:m], a_s[:m]), (w, ws), out[:m])
+        run_counts([job], [[(m, None, None)]], buffers)
 
     t0 = time.perf_counter()
     if threads <= 1:
@@ -65,7 +70,8 @@ def _worker(args: tuple) -> float:  # one spawned process: its slice of M
 
 
 def _kernels(cache: str) -> int:
-    return sum(1 for p in Path(cache).rglob("*") if p.is_dir() and p.name.startswith("kernel."))
+    from kwarm_ext.kernels.deep_gemm import cached_kernels
+    return cached_kernels(cache)
 
 
 def m_values(spec: str, n: int, max_tokens: int) -> list[int]:
@@ -114,7 +120,8 @@ def main() -> None:
             code = (f"import os, sys; os.environ['DG_JIT_CACHE_DIR'] = {cache!r}; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                     f"import deepgemm_jit as d; print(d._run({n}, {k}, {ms!r}, {workers}))")
             t0 = time.perf_counter()
-            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            # not in the repository root, where `-c` would import the source kwarm_ext (no kernels)
+            res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
             s = time.perf_counter() - t0
             if res.returncode:
                 print(res.stderr[-2000:])
@@ -126,7 +133,7 @@ def main() -> None:
         code = (f"import os, sys; os.environ['DG_JIT_CACHE_DIR'] = {procs_cache!r}; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                 f"import deepgemm_jit as d; print(d._run({n}, {k}, {ms!r}, 1))")
         t0 = time.perf_counter()
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
         s = time.perf_counter() - t0
         rows.append({"mode": "seq-on-procs-cache", "wall_s": round(s, 2), "inner_s": res.stdout.strip()[-20:],
                      "kernels": _kernels(procs_cache)})

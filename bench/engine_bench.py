@@ -857,7 +857,7 @@ def main(argv=None) -> int:
         "kwarm": args.kwarm, "variant": args.variant, "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
         "cache": cache,
         "import_s": round(import_s, 3), "init_s": round(init_s, 3),
-        "kwarm_warmup_s": report.get("total_s") if report else None,
+        "kwarm_warmup_s": table.total_seconds(report),
         "kwarm_warmup_s_ranks": rank_warmups(report_path, args.tensor_parallel_size),
         "kwarm_family_s": table.family_seconds(report),
         "init_jit": len(init_counter.events), "init_kernels": _count_names(init_counter.events),

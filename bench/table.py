@@ -133,8 +133,7 @@ def summarize_report(report: dict | None) -> dict | None:
     if not report:
         return None
     families = []
-    after = (report.get("after_capture") or {}).get("families", [])  # run after CUDA-graph capture
-    for fam, suffix in [(f, "") for f in report.get("families", [])] + [(f, " (after capture)") for f in after]:
+    for fam, suffix in [(f, "") for f in report.get("families", [])] + [(f, " (after capture)") for f in _later(report)]:
         steps = fam.get("steps", [])
         families.append({
             "name": fam.get("name") + suffix, "status": fam.get("status"), "reason": fam.get("reason"),
@@ -144,12 +143,28 @@ def summarize_report(report: dict | None) -> dict | None:
             "steps_failed": sum(s.get("status") == "failed" for s in steps),
             "compiled": len(fam.get("compiled", [])),
         })
-    return {"total_s": report.get("total_s"), "rank": report.get("rank"), "pid": report.get("pid"),
+    return {"total_s": total_seconds(report), "rank": report.get("rank"), "pid": report.get("pid"),
             "view": bool(report.get("view")), "families": families,
             "compiled": sum(f["compiled"] for f in families)}
 
 
 AFTER_CAPTURE = " (after capture)"
+LATER_PARTS = ("after_capture", "engine_step")  # a report's parts after the worker's warmup
+
+
+def _later(report: dict) -> list:
+    """The families of a report's later parts: after CUDA-graph capture, and the engine-core
+    process's warm-up step (kwarm_ext/engine_step.py)."""
+    return [fam for part in LATER_PARTS for fam in (report.get(part) or {}).get("families", [])]
+
+
+def total_seconds(report: dict | None) -> float | None:
+    """All of kwarm's start time in a KWARM_REPORT: the warmup (ahead families included), the
+    after-capture families and the engine step."""
+    if not report or report.get("total_s") is None:
+        return None
+    return round(float(report["total_s"]) + sum(float((report.get(part) or {}).get("total_s") or 0.0)
+                                                 for part in LATER_PARTS), 4)
 
 
 def family_seconds(report: dict | None) -> dict[str, float]:
@@ -158,8 +173,7 @@ def family_seconds(report: dict | None) -> dict[str, float]:
     if not report:
         return {}
     found: dict[str, float] = {}
-    after = (report.get("after_capture") or {}).get("families", [])
-    for fam in list(report.get("families", [])) + list(after):
+    for fam in list(report.get("families", [])) + _later(report):
         if fam.get("status") == "ran" and fam.get("name"):
             found[fam["name"]] = found.get(fam["name"], 0.0) + float(fam.get("seconds") or 0.0)
     return {name: round(sec, 3) for name, sec in sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))}

@@ -32,14 +32,13 @@ Remove when:
 """
 from __future__ import annotations
 
-from kwarm_ext.families import Step
+from kwarm_ext.families import Plan, Step
 
 NAME = "caching_allocator"
 KERNEL = "CUDA caching allocator (small pool)"
 BLOCK = 1 << 20  # the largest small-pool allocation (torch's kSmallSize): two per 2 MiB segment
 RESERVE_BLOCKS = 32
 MIN_DEVICE_FREE = 1 << 30
-_details: dict = {}  # the last reserve's outcome, for the summary line
 
 
 def applies(view) -> str | None:
@@ -50,15 +49,11 @@ def applies(view) -> str | None:
     return None
 
 
-def plan(view, forced) -> list:
-    """The steps, planned once CUDA-graph capture is done (the family runs after it)."""
-    _details.clear()
-    return [Step("small pool", KERNEL, run=lambda: _reserve(view.device))]
-
-
-def details() -> dict:
-    """The summary line's text: what the reserve found and added."""
-    return dict(_details)
+def plan(view, forced) -> Plan:
+    """The steps, planned once CUDA-graph capture is done (the family runs after it); the
+    details: the summary line's text, what the reserve found and added."""
+    details: dict = {}
+    return Plan([Step("small pool", KERNEL, run=lambda: _reserve(view.device, details))], lambda: dict(details))
 
 
 def reserve(device: str, blocks: int) -> None:
@@ -76,7 +71,7 @@ def small_pool(stats: dict) -> tuple:
     return stats.get("segment.small_pool.current", 0), max(0, free) / (1 << 20)
 
 
-def _reserve(device: str) -> list:
+def _reserve(device: str, details: dict) -> list:
     import torch
 
     free_device = torch.cuda.mem_get_info(device)[0]
@@ -88,5 +83,5 @@ def _reserve(device: str) -> list:
         after = small_pool(torch.cuda.memory_stats(device))
         text = (f"{RESERVE_BLOCKS} x 1 MiB small-pool blocks: {after[0] - before[0]} new segments, "
                 f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free")
-    _details["summary"] = text
+    details["summary"] = text
     return [text]

@@ -12,9 +12,9 @@ processes share: a kernel another process compiled is loaded, not compiled again
 
 How: this family runs *ahead* of vLLM's ``kernel_warmup`` (``ahead=True`` in the table). It
 takes vLLM's own list of weights and token counts (the module filters and count lists of
-``deep_gemm_warmup``), probes one call, and when that call compiled (the cache is cold), cuts
-every weight's list into contiguous slices and runs them in child processes, one per core of
-this rank. The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
+``deep_gemm_warmup``), probes one call, and when that call compiled (the cache is cold), spreads
+the weights, and slices of the longest lists, over child processes, one per core of this
+rank (:func:`assign`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
 the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
 their outputs are thrown away). vLLM's warmup then loads every kernel from the cache. On a
 warm cache the probe is a load (milliseconds) and nothing is spawned.
@@ -135,16 +135,38 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     per_child = assign([job["counts"] for job in jobs], children)
     outcomes = run_children(per_child, jobs, buffers, device)
-    return [f"probe {probe_s:.1f} s (compiled); {sum(len(t) for t in per_child)} slices on "
-            f"{len(outcomes)} processes; {cached_kernels(cache) - before} kernels new in {cache}"]
+    return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights in {sum(len(t) for t in per_child)} "
+            f"slices on {len(outcomes)} processes; {cached_kernels(cache) - before} kernels new in {cache}"]
 
 
 def assign(counts_per_job: list, children: int) -> list:
-    """Each child's tasks, ``[(job index, contiguous counts)]``: child i gets slice i of every
-    job's list, so every child works on every weight and no count runs twice."""
-    work = [slices(counts, children) for counts in counts_per_job]
-    per_child = [[(j, part[i]) for j, part in enumerate(work) if i < len(part)] for i in range(children)]
-    return [tasks for tasks in per_child if tasks]
+    """Each child's tasks, ``[(job index, contiguous counts)]``, no count twice. A weight's
+    kernels are its own (DeepGEMM specializes on N and K), and one configuration recurs over
+    a weight's range of counts: children that work on one weight at the same time compile
+    its recurring kernels twice. So weights are spread over the children first: with as
+    many children as weights or fewer, each child takes whole weights (the longest lists
+    first, each to the least loaded child); with more, every weight gets one child and the
+    children left over cut the longest lists (by counts per child) into contiguous slices.
+    Measured (BENCHMARKS.md, FP8): every weight cut over 15 children took 112 s for 89
+    kernels, about 5x their compile time spread over 15 cores."""
+    jobs = [j for j, counts in enumerate(counts_per_job) if counts]
+    if not jobs:
+        return []
+    children = max(1, children)
+    if children <= len(jobs):
+        per_child, load = [[] for _ in range(children)], [0] * children
+        for j in sorted(jobs, key=lambda j: -len(counts_per_job[j])):
+            i = load.index(min(load))
+            per_child[i].append((j, counts_per_job[j]))
+            load[i] += len(counts_per_job[j])
+        return [sorted(tasks, key=lambda t: t[0]) for tasks in per_child if tasks]
+    parts = {j: 1 for j in jobs}
+    for _ in range(children - len(jobs)):
+        j = max(jobs, key=lambda j: len(counts_per_job[j]) / parts[j])
+        if len(counts_per_job[j]) <= parts[j]:
+            break  # every list is down to one count per child
+        parts[j] += 1
+    return [[(j, part)] for j in jobs for part in slices(counts_per_job[j], parts[j])]
 
 
 def _cache_dir() -> str:

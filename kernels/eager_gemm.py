@@ -39,15 +39,20 @@ How:
     reorder_batch_threshold`` decode tokens for dense MLA. Layers on ROCm's AITER BMMs are left
     to vLLM, which warms those itself.
 
-    Three passes, most useful first:
+    Three passes, most useful first; the last two only while ``KWARM_BUDGET`` lasts
+    (kwarm_ext/budget.py): what is left is left to the requests, and the summary says so.
 
     1. ``exact``: every count up to 64 and the counts this deployment stepped at in earlier
        runs (learned with ``KWARM_LEARN``, kept in its manifest): their first call then costs
-       what the second does;
+       what the second does. Always runs (DeepSeek-V3.2 dimensions: about 0.4 s);
     2. ``grid``: a geometric ladder of counts 9% apart (``kernel_grid``), about 40 counts per
-       shape, which loads most kernels cuBLAS picks;
-    3. ``fill``: every 8th count between, spread first, until ``KWARM_BUDGET`` is spent
-       (kwarm_ext/budget.py): what is left is left to the requests, and the summary says so.
+       shape, which loads most kernels cuBLAS picks; spread first (:func:`spread`);
+    3. ``fill``: every 8th count between, spread first.
+
+    The budget counts from the start of kwarm's warmup, so the families before this one
+    (the compiles, which always run) spend it first: on a warm restart of the published-size
+    DeepSeek-V3.2 the whole warmup took 3.1 s with an unbudgeted grid, over issue 15's bound
+    of 10% of vLLM's own 29.6 s start (BENCHMARKS.md, "Start cost").
 
     On CUDA each pass is *captured* into a CUDA graph that is never replayed: cuBLAS makes its
     choice and the driver loads the kernel at capture, and the GPU computes nothing. Measured
@@ -62,24 +67,24 @@ How:
     runs the GEMMs instead (one note in the step's variants).
 
 Cost: the passes' problems x about 0.33 ms of CPU (cuBLAS's choice), no GPU time when
-captured: published-size DeepSeek-V3.2 exact + grid about 0.3 s, the full fill 9 s (hence the
-budget). ``KWARM_WARMUPS=-eager_gemm`` turns it off.
+captured: published-size DeepSeek-V3.2 exact + grid about 0.3-0.6 s, the full fill 9 s (hence
+the budget). ``KWARM_WARMUPS=-eager_gemm`` turns it off.
 
 cuBLASLt's heuristics cache: cuBLAS remembers its choice per exact problem in one cache per
 process, 8192 entries by default (least recently used out first), and this family makes far
 more (tiny DeepSeek-V3.2: about 29,000). Warmed in ascending order, the small token counts
 were out of the cache again by the first request, which paid the choice once more: 0.13-0.15 ms
-per ``torch.mm`` at M = 200 in request 0 of the engine benchmark (calls 12 and 14), a count
+per ``torch.mm`` at M = 200 in request 0 of the engine benchmark, a count
 this family had run. Before warming on CUDA, the family raises the cache's capacity
 (``cublasLtHeuristicsCacheSetCapacity``, on the cuBLASLt library torch loaded) to what it
 warms plus the default 8192 for everything else, about 360 bytes of host memory per entry
 (tiny DeepSeek-V3.2: 37,312 entries, about 13 MB); a capacity already larger
-(``CUBLASLT_HEURISTICS_CACHE_CAPACITY``) is kept. The unbudgeted passes warm each shape's counts
-from the largest down, so that where the capacity cannot be raised the smallest, most frequent
+(``CUBLASLT_HEURISTICS_CACHE_CAPACITY``) is kept. The exact pass warms each shape's counts from
+the largest down, so that where the capacity cannot be raised the smallest, most frequent
 counts are the ones left in the cache. Measured on the GPU host (``bench/gemm_warm_match.py``):
 a problem warmed before 9,000 others cost 0.82 ms on its next call (5 shapes), 0.18 ms with
-the capacity raised (0.15 ms when nothing came in between); in the engine benchmark (call 16)
-request 0's GEMMs then cost what their repeat did. Ruled out on the way: the input's layout,
+the capacity raised (0.15 ms when nothing came in between); in the engine benchmark request
+0's GEMMs then cost what their repeat did. Ruled out on the way: the input's layout,
 the thread, the stream, the pointer alignment, ``empty_cache`` and CUDA-graph capture.
 
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
@@ -93,7 +98,7 @@ import contextlib
 import dataclasses
 
 from kwarm_ext import budget, config
-from kwarm_ext.families import Step
+from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.model_runner import eager_range, runner_models
 from kwarm_ext.vllm_compat import Missing, resolve
 
@@ -108,7 +113,6 @@ _OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabl
 EXACT_UP_TO = 64  # every token count up to this one is warmed exactly (decode-sized steps)
 FILL_STRIDE = 8  # the fill pass: every 8th token count above EXACT_UP_TO
 GRID_STEPS_PER_DOUBLING = 8  # the kernel grid: counts about 9% apart
-_details: dict = {}
 
 
 @dataclasses.dataclass
@@ -132,11 +136,11 @@ def applies(view) -> str | None:
     return None
 
 
-def plan(view, forced) -> list:
+def plan(view, forced) -> list | Plan:
     """Steps: the heuristics cache, then three passes over every GEMM target, most useful
-    first: ``exact`` (small and learned token counts), ``grid`` (the kernel grid), ``fill``
-    (every 8th count between, within KWARM_BUDGET)."""
-    _details.clear()
+    first: ``exact`` (small and learned token counts), ``grid`` (the kernel grid) and ``fill``
+    (every 8th count between), the last two within KWARM_BUDGET. Details: what each pass
+    warmed and left (:func:`describe`)."""
     model = model_of(view.runner)
     device_type = _device_type(view)
     targets, skips = gemm_targets(model, view, device_type)
@@ -144,10 +148,10 @@ def plan(view, forced) -> list:
         return skips
     learned = learned_token_counts(view)
     passes = [("exact", lambda t: exact_counts(t.first, t.last, learned), False),
-              ("grid", lambda t: kernel_grid(t.first, t.last), False),
+              ("grid", lambda t: spread(kernel_grid(t.first, t.last)), True),
               ("fill", lambda t: fill_counts(t.first, t.last), True)]
     done = {id(t): set() for t in targets}
-    steps, problems = list(skips), 0
+    steps, problems, details = list(skips), 0, {"learned": len(learned)}
     for name, counts_of, budgeted in passes:
         work = []
         for target in targets:
@@ -159,10 +163,9 @@ def plan(view, forced) -> list:
             steps.append(Step(name, KERNEL, skip="no token counts left to warm"))
             continue
         problems += sum(t.calls * len(c) for t, c in work)
-        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted)))
-    steps.insert(0, _cache_step(problems, device_type))
-    _details["learned"] = len(learned)
-    return steps
+        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted, details)))
+    steps.insert(0, _cache_step(problems, device_type, details))
+    return Plan(steps, lambda: describe(details))
 
 
 def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
@@ -237,42 +240,45 @@ def kernel_grid(first: int, last: int, steps_per_doubling: int = GRID_STEPS_PER_
 
 
 def fill_counts(first: int, last: int) -> list:
-    """Every FILL_STRIDE-th count above EXACT_UP_TO, spread first: any prefix of the list
-    covers the range evenly (bit-reversed order), so a budget cut leaves no large hole."""
+    """Every FILL_STRIDE-th count above EXACT_UP_TO, spread first (:func:`spread`)."""
     if last < first or last < 1:
         return []
-    start = max(first, EXACT_UP_TO + 1)
-    sizes = list(range(start, last + 1, FILL_STRIDE))
-    bits = max(1, (len(sizes) - 1).bit_length())
-    order = sorted(range(len(sizes)), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
-    return [sizes[i] for i in order]
+    return spread(list(range(max(first, EXACT_UP_TO + 1), last + 1, FILL_STRIDE)))
 
 
-def details() -> dict:
+def spread(values: list) -> list:
+    """`values` reordered so that any prefix covers the list evenly (bit-reversed order of
+    the indices): a budget cut leaves no large hole."""
+    bits = max(1, (len(values) - 1).bit_length())
+    order = sorted(range(len(values)), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+    return [values[i] for i in order]
+
+
+def describe(details: dict) -> dict:
     """What ran, for the summary line: per pass, the problems warmed and any left to the requests."""
-    if not _details:
+    if not any(details.get(name) for name in ("exact", "grid", "fill", "heuristics_cache")):
         return {}
     parts = []
     for name in ("exact", "grid", "fill"):
-        d = _details.get(name)
+        d = details.get(name)
         if d:
             text = f"{name} {d['warmed']} problems"
             if d["left"]:
                 text += f" ({d['left']} left to the requests: KWARM_BUDGET)"
             parts.append(text)
-    first = next((d for d in (_details.get(n) for n in ("exact", "grid", "fill")) if d), None)
+    first = next((d for d in (details.get(n) for n in ("exact", "grid", "fill")) if d), None)
     if first:
         parts.append(f"{first['targets']} GEMM shapes, {first['mode']}")
-    if _details.get("learned"):
-        parts.append(f"{_details['learned']} learned token counts")
-    cache = _details.get("heuristics_cache")
+    if details.get("learned"):
+        parts.append(f"{details['learned']} learned token counts")
+    cache = details.get("heuristics_cache")
     if cache:
         parts.append(f"cuBLASLt heuristics cache {cache['before']} -> {cache['after']} entries"
                      if cache["after"] is not None else f"cuBLASLt heuristics cache: {cache['reason']}")
-    return {"summary": ", ".join(parts), **_details}
+    return {"summary": ", ".join(parts), **details}
 
 
-def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
+def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict):
     """One pass: each target at its counts, largest first; on CUDA captured into a CUDA graph
     that is never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
     nothing), elsewhere run. A budgeted pass stops when KWARM_BUDGET is spent."""
@@ -291,7 +297,7 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool):
                     raise
                 mode = f"run (capture failed: {type(exc).__name__}: {exc})"
                 warmed, left = _warm(calls, order, budgeted)
-        _details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
+        details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
                           "counts": max(len(c) for _, c in work)}
         return [f"{target.label}: {len(counts)} counts (M {min(counts)}..{max(counts)})" for target, counts in work] \
             + [f"{warmed} GEMM problems {mode}" + (f", {left} left to the requests (KWARM_BUDGET)" if left else "")]
@@ -467,18 +473,18 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
 DEFAULT_HEURISTICS_CACHE = 8192  # cuBLASLt's default capacity: room kept for everything else
 
 
-def _cache_step(problems: int, device_type: str | None) -> Step:
+def _cache_step(problems: int, device_type: str | None, details: dict) -> Step:
     """First step: room in cuBLASLt's heuristics cache for the `problems` the others warm."""
     if device_type != "cuda":
         return Step("heuristics_cache", "cuBLASLt heuristics cache",
                     skip=f"runner device {device_type or 'unknown'} is not CUDA ({problems} GEMM problems)")
-    return Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(problems))
+    return Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(problems, details))
 
 
-def _reserve_step(problems: int):
+def _reserve_step(problems: int, details: dict):
     def step():
         before, after, reason = reserve_heuristics_cache(problems + DEFAULT_HEURISTICS_CACHE)
-        _details["heuristics_cache"] = {"problems": problems, "before": before, "after": after, "reason": reason}
+        details["heuristics_cache"] = {"problems": problems, "before": before, "after": after, "reason": reason}
         return [f"capacity {before} -> {after} ({problems} problems to warm)" if after is not None
                 else f"capacity not raised: {reason}"]
 

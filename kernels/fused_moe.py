@@ -74,7 +74,7 @@ import sys
 import time
 
 from kwarm_ext import triton_compile
-from kwarm_ext.families import Step
+from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.model_runner import dummy_runner, eager_range
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
@@ -94,9 +94,6 @@ _MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
 # MoERunner (0.24+, where FusedMoE became a factory).
 MOE_LAYER_CLASSES = ("FusedMoE", "MoERunnerInterface")
 
-_details: dict = {}
-
-
 # ---------------------------------------------------------------------------- applicability
 
 def applies(view) -> str | None:
@@ -111,8 +108,7 @@ def applies(view) -> str | None:
     return None
 
 
-def plan(view, forced) -> list:
-    _details.clear()
+def plan(view, forced) -> list | Plan:
     try:
         config_fn = resolve(_CONFIG_FN)
         dummy_run = dummy_runner(view.runner)
@@ -123,8 +119,10 @@ def plan(view, forced) -> list:
         return [Step("eager_sizes", KERNEL, skip=f"no eager token counts ({first}..{last})")]
     # at least 2, so that every rank takes the same path (one thread would skip the pass)
     threads = max(2, triton_compile.compile_threads(view.tp_size))
-    return [Step("eager_sizes", KERNEL,
-                 run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, _one_process()))]
+    details: dict = {}
+    return Plan([Step("eager_sizes", KERNEL,
+                      run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, _one_process(), details))],
+                lambda: dict(details))
 
 
 def _one_process() -> bool:
@@ -137,10 +135,6 @@ def _one_process() -> bool:
         return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     except Exception:
         return False
-
-
-def details() -> dict:
-    return dict(_details)
 
 
 # ---------------------------------------------------------------------------- the config calls
@@ -260,7 +254,10 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
 
 
 def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1,
-                     alone: bool = True) -> list:
+                     alone: bool = True, details: dict | None = None) -> list:
+    """Probe, find the config regions, compile ahead, run one token count per region's
+    period; what it found goes into `details` (the summary line's)."""
+    details = {} if details is None else details
     import torch
 
     with torch.inference_mode():
@@ -269,7 +266,7 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
             dummy_run(first)
         probe_s = time.perf_counter() - t0
         if not seen:
-            _details["summary"] = (f"probe M={first}: no Triton fused-MoE config requested "
+            details["summary"] = (f"probe M={first}: no Triton fused-MoE config requested "
                                    "(the experts run on another backend)")
             return [f"probe M={first}"]
         calls = sorted({config_call(config_fn, a, k) for a, k in seen}, key=repr)
@@ -283,7 +280,7 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         for m in sizes:
             if m != first:
                 dummy_run(m)
-    _details.update(
+    details.update(
         summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
                  f"(M {first}..{last}, every {step} per region); {ahead}"),
         regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans], probe_s=round(probe_s, 3),

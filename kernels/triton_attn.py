@@ -54,7 +54,7 @@ import sys
 import time
 
 from kwarm_ext import triton_compile
-from kwarm_ext.families import Step
+from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
                                                 groups_of, metadata_builder, vllm_config)
 from kwarm_ext.kernels.model_runner import synchronize
@@ -69,14 +69,6 @@ OPS_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 KERNELS = (KERNEL, "reduce_segments")
 TRITON_KERNELS = KERNELS  # what this family compiles at start
 BATCH_PARAM = "num_seqs"
-_details: dict = {}  # per group, for the summary line
-
-
-def details() -> dict:
-    groups = _details.get("groups", [])
-    return {"summary": "; ".join(groups), "groups": list(groups)} if groups else {}
-
-
 def applies(view) -> str | None:
     if view.runner is None:
         return "no model runner"
@@ -109,13 +101,12 @@ class Batch:
         return f"decode x{self.n}" if self.q == 1 else f"prefill {self.n}x{self.q}"
 
 
-def plan(view, forced) -> list:
-    _details.clear()
+def plan(view, forced) -> list | Plan:
     try:
         kernels = ops_kernels()
     except Missing as exc:
         return [Step("batches", KERNEL, skip=str(exc))]
-    steps = []
+    steps, groups = [], []  # groups: one summary text per group warmed
     for group in groups_of(view, BACKEND):
         label = f"group {getattr(group, 'kv_cache_group_id', '?')}"
         try:
@@ -123,8 +114,10 @@ def plan(view, forced) -> list:
         except Missing as exc:
             steps.append(Step(label, KERNEL, skip=str(exc)))
             continue
-        steps.append(Step(label, KERNEL, run=functools.partial(warm, target, kernels, view.tp_size)))
-    return steps or [Step("batches", KERNEL, skip=f"no {BACKEND} attention group in the runner")]
+        steps.append(Step(label, KERNEL, run=functools.partial(warm, target, kernels, view.tp_size, groups)))
+    if not steps:
+        return [Step("batches", KERNEL, skip=f"no {BACKEND} attention group in the runner")]
+    return Plan(steps, lambda: {"summary": "; ".join(groups), "groups": list(groups)} if groups else {})
 
 
 def ops_kernels() -> dict:
@@ -309,7 +302,8 @@ def compile_ahead(target: Target, kernels: dict, batches: list, threads: int) ->
                                        f"triton_attn: {target.label}: compile ahead failed, compiling one batch at a time")
 
 
-def warm(target: Target, kernels: dict, tp_size) -> list:
+def warm(target: Target, kernels: dict, tp_size, groups: list) -> list:
+    """Warm one group's batches; its summary text goes into `groups`."""
     import torch
 
     t0 = time.perf_counter()
@@ -323,7 +317,7 @@ def warm(target: Target, kernels: dict, tp_size) -> list:
                 run_batch(target, batch)
             labels.append(f"{batch.label()}: {' + '.join(name for name, _ in seen)}")
         synchronize(target.device)
-    _details.setdefault("groups", []).append(
+    groups.append(
         f"{target.label}: {len(batches)} batches, one per specialization ({probes} probes in "
         f"{probe_s:.2f} s); {ahead}")
     return labels

@@ -9,6 +9,7 @@ Precedence: explicit arguments (tests, the CLI) > the environment > the defaults
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -33,9 +34,9 @@ VARIABLES = {
                             "new was recorded); 0 saves at exit only. Default 60.",
     "KWARM_MANIFEST": "Path of the learn-and-replay manifest. Default: "
                       "$XDG_CACHE_HOME/kwarm/ (or ~/.cache/kwarm/), one file per model and versions.",
-    "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 10% of the "
-                    "time vLLM ran before kwarm's warmup, at least 2 s), `N` seconds, `N%` of that time "
-                    "(at least 2 s), or `unlimited`. Work that removes a compile always runs.",
+    "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 8% of the "
+                    "time vLLM ran before kwarm's warmup, at least 1.5 s), `N` seconds, `N%` of that time "
+                    "(at least 1.5 s), or `unlimited`. Work that removes a compile always runs.",
     "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
                            "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
                            "allows pkg and its submodules.",
@@ -53,19 +54,76 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 logger = logging.getLogger("kwarm")
 _LOG_FORMAT = "%(levelname)s %(asctime)s [kwarm %(filename)s:%(lineno)d] %(message)s"  # vLLM's layout
 _LOG_DATEFMT = "%m-%d %H:%M:%S"
+_STREAMS = {"ext://sys.stdout": "stdout", "ext://sys.stderr": "stderr"}  # VLLM_LOGGING_STREAM's values
 
 
-def configure_logging(level: str = "INFO") -> logging.Logger:
-    """Give the ``kwarm`` logger one stream handler in vLLM's format (idempotent) and `level`
-    (``KWARM_LOG_LEVEL``)."""
-    if not any(getattr(h, "_kwarm", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT, _LOG_DATEFMT))
+def configure_logging(level: str = "INFO", env: Mapping[str, str] | None = None) -> logging.Logger:
+    """Fit the ``kwarm`` logger into vLLM's logging configuration (idempotent; the environment
+    is read again on each call).
+
+    Why: kwarm's lines belong beside vLLM's, in vLLM's format, yet whatever configures
+    vLLM's logging must rule kwarm's too, and pytest's ``caplog`` (a handler on the root
+    logger) must see them. A handler of kwarm's own on a logger that does not propagate
+    (as vLLM does for ``vllm``) would print in every case and hide the records from the root.
+
+    How: the ``kwarm`` logger propagates (Python's default; this never changes it), and which
+    handler it gets depends on vLLM's documented variables, read here without importing vLLM
+    (vLLM applies them when it is first imported, before or after this call):
+
+    - ``VLLM_CONFIGURE_LOGGING=0``: none (the application's configuration rules, as vLLM
+      adds none to ``vllm``); `level` is set only when ``KWARM_LOG_LEVEL`` is.
+    - ``VLLM_LOGGING_CONFIG_PATH``, a dictConfig JSON whose ``loggers`` name ``kwarm``: none,
+      and neither level nor propagation is touched: that configuration wins.
+    - otherwise, as vLLM's default: one stream handler in vLLM's line format
+      (``VLLM_LOGGING_PREFIX``, then ``LEVEL mm-dd HH:MM:SS [kwarm file.py:line] message``),
+      on ``VLLM_LOGGING_STREAM`` (stdout unless ``ext://sys.stderr``), and `level`
+      (``KWARM_LOG_LEVEL``). It writes a record only while the root logger has no handler:
+      where the application (or pytest) put handlers on the root, the propagated record is
+      theirs, so no line is printed twice. In a vLLM process the root has none (vLLM
+      configures ``vllm`` only), so the lines look as they always did.
+    """
+    env = os.environ if env is None else env
+    owner = logging_owner(env)
+    for handler in [h for h in logger.handlers if getattr(h, "_kwarm", False)]:
+        logger.removeHandler(handler)  # a later call with another environment starts over
+    if owner == "kwarm":
+        stream = getattr(sys, _STREAMS.get(env.get("VLLM_LOGGING_STREAM", "").strip(), "stdout"))
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter(env.get("VLLM_LOGGING_PREFIX", "") + _LOG_FORMAT, _LOG_DATEFMT))
+        handler.addFilter(_root_has_no_handler)
         handler._kwarm = True
         logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
+    if owner == "kwarm" or (owner == "application" and "KWARM_LOG_LEVEL" in env):
+        logger.setLevel(level)
     return logger
+
+
+def logging_owner(env: Mapping[str, str] | None = None) -> str:
+    """Who configures the ``kwarm`` logger under `env` (see :func:`configure_logging`):
+    ``application`` (``VLLM_CONFIGURE_LOGGING=0``), ``file`` (``VLLM_LOGGING_CONFIG_PATH``
+    configures ``kwarm``) or ``kwarm`` (vLLM's default configuration, kwarm's handler)."""
+    env = os.environ if env is None else env
+    raw = env.get("VLLM_CONFIGURE_LOGGING", "1").strip()
+    try:
+        configure = int(raw) != 0  # vLLM's own reading: bool(int(...))
+    except ValueError:
+        configure = raw.lower() not in FALSE
+    if not configure:
+        return "application"
+    path = env.get("VLLM_LOGGING_CONFIG_PATH", "").strip()
+    if path:
+        try:
+            with open(path, encoding="utf-8") as file:
+                loggers = json.load(file).get("loggers") or {}
+            if "kwarm" in loggers:
+                return "file"
+        except (OSError, ValueError, AttributeError):
+            pass  # vLLM refuses such a file itself, when it is imported
+    return "kwarm"
+
+
+def _root_has_no_handler(record: logging.LogRecord) -> bool:
+    return not logging.getLogger().handlers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +259,7 @@ def _parse_interval(raw, bad) -> float:
     return value
 
 
-DEFAULT_BUDGET = ("percent", 10.0)
+DEFAULT_BUDGET = ("percent", 8.0)  # kwarm_ext/budget.py says why 8%
 MAX_BUDGET_S = 86400.0
 
 

@@ -4,12 +4,13 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
 
 - ``applies(view) -> str | None``: ``None`` when the family is for this engine, else
   the reason it is not (logged in the summary line);
-- ``plan(view, forced) -> list[Step]``: the steps, each a call through vLLM's own entry
-  function that launches one kernel's production specializations. A step that upstream
-  vLLM already runs (and `forced` is false) or whose vLLM symbol is absent carries its
-  skip reason instead of running;
-- optionally ``details() -> dict``: read after the steps ran; its ``summary`` replaces the
-  family's default text in the summary line, and the dict goes into the JSON report;
+- ``plan(view, forced) -> list[Step] | Plan``: the steps, each a call through vLLM's own
+  entry function that launches one kernel's production specializations. A step that
+  upstream vLLM already runs (and `forced` is false) or whose vLLM symbol is absent carries
+  its skip reason instead of running. A :class:`Plan` adds what its steps found out:
+  ``details()``, read once they ran; its ``summary`` replaces the family's default text in
+  the summary line, and the dict goes into the JSON report. A family keeps no state between
+  runs: what its steps find out lives in the plan (a dict their closures share);
 - with ``ahead=True`` in the table, the family is planned and run just before vLLM's own
   ``kernel_warmup`` (``kwarm_ext.warmup.ahead``), for work that makes vLLM's warmup
   cheaper (``deep_gemm`` fills DeepGEMM's cache on every core before vLLM compiles serially);
@@ -42,6 +43,14 @@ class Family:
 
     def load(self):
         return importlib.import_module(self.module)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A family's steps and the details they found out, read once they ran."""
+
+    steps: list
+    details: Callable[[], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -102,9 +111,18 @@ FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "is built, not on the first request")
 
 
+# Not a worker family either: it runs in vLLM's engine-core process once ``EngineCore`` is built
+# (kwarm_ext/patches.py), after every worker's warmup and CUDA-graph capture.
+ENGINE_STEP = Family("engine_step", "kwarm_ext.engine_step",
+                     "engine-core process: one warm-up request through vLLM's own scheduler, model "
+                     "runner and sampler once the engine is built, dropped before any client sees it "
+                     "(the first request's cold Python path)")
+OUTSIDE_WORKERS = (FRONTEND, ENGINE_STEP)
+
+
 def selectable() -> tuple:
-    """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
-    return (*FAMILIES, FRONTEND.name)
+    """Every name KWARM_WARMUPS accepts: the table's families, the front end and the engine step."""
+    return (*FAMILIES, *(f.name for f in OUTSIDE_WORKERS))
 
 
 def triton_owners() -> dict:

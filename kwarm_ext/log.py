@@ -1,5 +1,7 @@
-"""kwarm's failure policy (:func:`fail_open`) and the ``kwarm`` logger it writes to (formatted like
-vLLM's own lines by ``kwarm_ext.config.configure_logging``)."""
+"""kwarm's failure policy (:func:`fail_open`) and the ``kwarm`` logger it writes to: it propagates
+to the root (pytest's ``caplog`` sees it), and ``kwarm_ext.config.configure_logging`` fits it into
+vLLM's logging configuration (``VLLM_CONFIGURE_LOGGING``, ``VLLM_LOGGING_CONFIG_PATH``; by default
+one handler writing vLLM's line format)."""
 from __future__ import annotations
 
 import contextlib

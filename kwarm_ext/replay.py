@@ -31,7 +31,7 @@ import os
 import time
 
 from kwarm_ext import config, learn, manifest, manifest_files, monitor, triton_compat, triton_compile, triton_preload
-from kwarm_ext.families import Step
+from kwarm_ext.families import Plan, Step
 from kwarm_ext.log import fail_open
 
 logger = logging.getLogger("kwarm")
@@ -91,9 +91,6 @@ class ReplayState:
                 "skipped": [dataclasses.asdict(s) for s in self.skipped]}
 
 
-_last: ReplayState | None = None
-
-
 # ---------------------------------------------------------------------------- the family contract
 
 
@@ -108,23 +105,17 @@ def applies(view) -> str | None:
     return None
 
 
-def plan(view, forced) -> list:
-    global _last
+def plan(view, forced) -> Plan:
     stamp, path = learn.deployment(view)
     state = prepare(path, stamp, config.get().allowed_modules)
     state.threads = triton_compile.compile_threads(view.tp_size)
-    _last = state
     gpu_skip = NO_GPU if not triton_compat.has_gpu_driver() else None
     none = state.refused and f"manifest not used: {state.refused}"
-    return [Step("compile", "manifest entries", run=lambda: compile_entries(state), skip=none),
-            Step("autotune", "autotuner caches", run=lambda: seed_autotuners(state), skip=none),
-            Step("load", "kernel handles", run=lambda: load_handles(state), skip=none or gpu_skip),
-            Step("launch", "kwarm_noop", run=lambda: launch_once(state), skip=none or gpu_skip)]
-
-
-def details() -> dict:
-    """The last replay's outcome, for the summary line and the JSON report."""
-    return _last.details() if _last is not None else {}
+    return Plan([Step("compile", "manifest entries", run=lambda: compile_entries(state), skip=none),
+                 Step("autotune", "autotuner caches", run=lambda: seed_autotuners(state), skip=none),
+                 Step("load", "kernel handles", run=lambda: load_handles(state), skip=none or gpu_skip),
+                 Step("launch", "kwarm_noop", run=lambda: launch_once(state), skip=none or gpu_skip)],
+                state.details)  # the replay's outcome, for the summary line and the JSON report
 
 
 # ---------------------------------------------------------------------------- planning

@@ -22,7 +22,7 @@ import time
 
 from kwarm_ext import budget, config, engine, monitor
 from kwarm_ext.log import fail_open
-from kwarm_ext.families import FAMILIES
+from kwarm_ext.families import FAMILIES, Plan
 
 logger = logging.getLogger("kwarm")
 _pending: dict = {}  # id(worker) -> (view, report) of its run, for after_capture
@@ -179,11 +179,12 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         if reason:
             result.reason = reason
             return result
-        steps = guarded(f"warmup family {name} (plan)", lambda: module.plan(view, forced))
+        planned = guarded(f"warmup family {name} (plan)", lambda: module.plan(view, forced))
     except StepFailed as exc:
         result.status, result.reason = "failed", str(exc)
         result.seconds = round(time.perf_counter() - t0, 4)
         return result
+    steps, details = (planned.steps, planned.details) if isinstance(planned, Plan) else (planned, None)
     result.status = "ran"
     runnable = [step.name for step in steps if step.skip is None and step.run is not None]
     logger.info("kwarm: %s: %d of %d steps to run (%s)", name, len(runnable), len(steps),
@@ -197,9 +198,9 @@ def _run_family(name: str, view, settings) -> FamilyResult:
               if step.summary and record["status"] == "ran" for label in record["variants"]]
     if labels:
         result.details["summary"] = "; ".join(labels)
-    if callable(getattr(module, "details", None)):
+    if details is not None:
         try:
-            result.details.update(guarded(f"warmup family {name} (details)", module.details) or {})
+            result.details.update(guarded(f"warmup family {name} (details)", details) or {})
         except StepFailed:
             pass
     result.seconds = round(time.perf_counter() - t0, 4)

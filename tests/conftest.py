@@ -16,6 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASES_DIR = REPO / ".rel"
+SCENARIOS_DIR = REPO / "tests" / "scenarios"  # scripts run by run_scenario (not collected: no test_ prefix)
 MATRIX = ("0.20.0", "0.22.0", "0.24.0", "0.26.0", "0.28.0")
 
 
@@ -38,16 +39,31 @@ def clean_env(**extra) -> dict:
 def run_py(code: str, *, env: dict | None = None, release: str | None = None, args=(),
            timeout: float = 300, cwd=None, python=None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter; `release` puts that vLLM's files first on sys.path."""
+    return _child([*args, "-c", textwrap.dedent(code)], env=env, release=release, timeout=timeout,
+                  cwd=cwd, python=python)
+
+
+def run_scenario(name: str, *params, env: dict | None = None, release: str | None = None,
+                 timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the script tests/scenarios/`name`.py as :func:`run_py` runs code, each of `params`
+    one JSON command-line argument (the script's ``main`` reads them from ``sys.argv``)."""
+    return _child([str(SCENARIOS_DIR / f"{name}.py"), *(json.dumps(p) for p in params)], env=env,
+                  release=release, timeout=timeout)
+
+
+def _child(argv: list, *, env: dict | None, release: str | None, timeout: float, cwd=None,
+           python=None) -> subprocess.CompletedProcess:
     env = dict(clean_env() if env is None else env)
     if release is not None:
         path = release_path(release)
         if path is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
     # Not the repository root: there `python -c` would import the source kwarm_ext (which has
-    # no `kernels` subpackage) instead of the installed one.
+    # no `kernels` subpackage) instead of the installed one. (A script's own folder comes first
+    # on its sys.path instead: tests/scenarios/ holds no package of that name.)
     cwd = cwd or tempfile.gettempdir()
-    return subprocess.run([python or sys.executable, *args, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run([python or sys.executable, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
 
 
 def marked_json(proc: subprocess.CompletedProcess, mark: str = "RESULT ") -> tuple:
@@ -68,9 +84,18 @@ def result_of(proc: subprocess.CompletedProcess, mark: str = "RESULT "):
 
 def run_cases(scenario: str, cases: dict, release: str, timeout: float = 240, **env):
     """Run `scenario` once for `release` under :func:`cpu_triton_env` (plus `env`), with
-    `cases` as JSON in place of its ``__ARGS__``; returns what it printed after ``RESULT ``."""
+    `cases` as JSON in place of its ``__ARGS__``; returns what it printed after ``RESULT ``.
+    (Code in a string: tests/scenarios/ scripts run through :func:`run_scenario_cases`.)"""
     code = scenario.replace("__ARGS__", repr(json.dumps(cases)))
     return result_of(run_py(code, release=release, env=cpu_triton_env(**env), timeout=timeout))
+
+
+def run_scenario_cases(name: str, cases: dict, release: str, *params, timeout: float = 240, **env):
+    """Run tests/scenarios/`name`.py once for `release` under :func:`cpu_triton_env` (plus
+    `env`), with `cases` (then `params`) as its JSON arguments; returns what it printed after
+    ``RESULT ``."""
+    return result_of(run_scenario(name, cases, *params, release=release, env=cpu_triton_env(**env),
+                                  timeout=timeout))
 
 
 def release_version(release: str) -> tuple:

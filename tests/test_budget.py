@@ -10,7 +10,7 @@ from kwarm_ext.manifest import Stamp
 
 
 @pytest.mark.parametrize("raw, parsed", [
-    (None, ("percent", 10.0)), ("auto", ("percent", 10.0)), ("", ("percent", 10.0)),
+    (None, ("percent", 8.0)), ("auto", ("percent", 8.0)), ("", ("percent", 8.0)),
     ("5", ("seconds", 5.0)), ("2.5s", ("seconds", 2.5)), ("0", ("seconds", 0.0)),
     ("25%", ("percent", 25.0)), ("unlimited", ("unlimited", None)),
 ])
@@ -23,13 +23,13 @@ def test_budget_values(raw, parsed):
 @pytest.mark.parametrize("raw", ["-1", "banana", "1e10", "2000%", "nan"])
 def test_a_bad_budget_is_one_warning_and_the_default(raw):
     settings = config.parse({"KWARM_BUDGET": raw}, known_families=("eager_gemm",))
-    assert settings.budget == ("percent", 10.0)
+    assert settings.budget == ("percent", 8.0)
     assert len(settings.problems) == 1 and "KWARM_BUDGET" in settings.problems[0]
 
 
 def test_seconds_of_a_budget():
     assert budget.seconds_for(("percent", 10.0), 100.0)[0] == pytest.approx(10.0)
-    assert budget.seconds_for(("percent", 10.0), 5.0)[0] == budget.FLOOR_S, "at least 2 s"
+    assert budget.seconds_for(("percent", 10.0), 5.0)[0] == budget.FLOOR_S == 1.5, "at least 1.5 s"
     assert budget.seconds_for(("percent", 10.0), None)[0] == budget.FLOOR_S
     assert budget.seconds_for(("seconds", 0.5), 100.0) == (0.5, "0.5 s")
     assert budget.seconds_for(("unlimited", None), 100.0) == (None, "unlimited")

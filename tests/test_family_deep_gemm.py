@@ -28,16 +28,35 @@ def test_slices_are_contiguous_cover_everything_once_and_are_balanced():
         assert all(part == list(range(part[0], part[-1] + 1)) for part in cut)
 
 
-def test_assign_gives_each_child_one_slice_of_every_weight_and_no_count_twice():
-    counts = [list(range(1, 8193)), list(range(1, 5)), [(64, 128, "ids"), (4096, 128, "ids2")]]
-    per_child = dg.assign(counts, 15)
-    assert len(per_child) == 15
+def _every_count_once(per_child, counts):
     for j, job in enumerate(counts):
         got = [c for tasks in per_child for k, part in tasks if k == j for c in part]
         assert got == job, f"job {j}: every count once, in order"
-    assert [k for k, _ in per_child[0]] == [0, 1, 2]
-    assert [k for k, _ in per_child[14]] == [0], "short lists end early; the long one reaches every child"
+
+
+def test_assign_spreads_weights_first_then_slices_the_longest_lists():
+    counts = [list(range(1, 301)), list(range(1, 5)), [(64, 128, "ids"), (4096, 128, "ids2")], list(range(1, 151))]
+    per_child = dg.assign(counts, 15)
+    _every_count_once(per_child, counts)
+    assert len(per_child) == 15 and all(len(tasks) == 1 for tasks in per_child), "one task per child"
+    by_job = [sum(k == j for tasks in per_child for k, _ in tasks) for j in range(len(counts))]
+    # 4 weights, one child each; the 11 left over cut the two long lists, by counts per child:
+    # 13 slices of 300 + 150 counts, none longer than the best split allows (450 / 13 -> 38)
+    assert by_job[1] == by_job[2] == 1 and by_job[0] + by_job[3] == 13
+    assert max(len(part) for tasks in per_child for k, part in tasks if k in (0, 3)) <= 38
+    assert all(part == list(range(part[0], part[-1] + 1)) for tasks in per_child for k, part in tasks if k in (0, 3))
+    # no more children than counts: a list of one count stays whole
+    assert dg.assign([[1], [2, 3]], 8) == [[(0, [1])], [(1, [2])], [(1, [3])]]
+
+
+def test_assign_with_fewer_children_than_weights_gives_whole_weights_to_the_least_loaded():
+    counts = [list(range(10)), list(range(40)), list(range(25)), list(range(20)), []]
+    per_child = dg.assign(counts, 2)
+    _every_count_once(per_child, counts)
+    assert [[k for k, _ in tasks] for tasks in per_child] == [[0, 1], [2, 3]], \
+        "longest first, each to the least loaded child: 40 + 10 | 25 + 20"
     assert dg.assign([[1]], 8) == [[(0, [1])]]
+    assert dg.assign([[], []], 4) == []
 
 
 def test_is_an_ahead_family_and_applies_only_where_vllm_runs_deepgemm(monkeypatch):

@@ -158,7 +158,7 @@ def heuristics_cache():
     out = {"libraries": len(libs), "start": start,
            "raised": eager_gemm.reserve_heuristics_cache(start + 1000),
            "kept": eager_gemm.reserve_heuristics_cache(10),
-           "step": eager_gemm._reserve_step(5)(), "details": eager_gemm._details.get("heuristics_cache"),
+           "step": eager_gemm._reserve_step(5, details := {})(), "details": details.get("heuristics_cache"),
            "none": eager_gemm.reserve_heuristics_cache(10, libraries=[])}
     for lib in libs:
         lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(start))
@@ -227,11 +227,14 @@ def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
     column = _ms(result, "column")
     assert _ms(result, "column_twin") == []
-    # exact: 64..33, largest first; then the grid's counts above 64; then the fill, spread
-    grid_rest = [m for m in GRID if m > 64][::-1]
+    # exact: 64..33, largest first; then the grid's counts above 64, spread; then the fill, spread
+    grid_rest = [m for m in GRID if m > 64]
     fill_rest = [m for m in FILL if m not in GRID]
     assert column[:len(EXACT)] == EXACT[::-1]
-    assert column[len(EXACT):len(EXACT) + len(grid_rest)] == grid_rest
+    grid = column[len(EXACT):len(EXACT) + len(grid_rest)]
+    assert sorted(grid) == grid_rest
+    # bit-reversed order over the whole grid's 22 indices (16, 8, 4, 20, ...), counts <= 64 done already
+    assert grid[:4] == [132, 66, 187, 93], "spread first"
     fill = column[len(EXACT) + len(grid_rest):]
     assert sorted(fill) == sorted(fill_rest) and len(fill) == len(set(fill)), "each count once"
     assert fill[:3] == [65, 193, 129], "spread first: bit-reversed order over the fill's counts"
@@ -252,15 +255,15 @@ def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     assert steps["heuristics_cache"]["reason"] == f"runner device unknown is not CUDA ({problems} GEMM problems)"
 
 
-def test_a_spent_budget_leaves_the_fill_to_the_requests(release):
+def test_a_spent_budget_leaves_grid_and_fill_to_the_requests(release):
     result = _batch(release)["no_budget"]
     steps = _steps(result)
-    grid_rest = [m for m in GRID if m > 64]
-    assert sorted(_ms(result, "column")) == sorted(EXACT + grid_rest), "exact and grid run whatever the budget"
-    left = 4 * len([m for m in FILL if m not in GRID])
-    assert steps["fill"]["status"] == "ran"
-    assert steps["fill"]["variants"][-1] == f"0 GEMM problems run, {left} left to the requests (KWARM_BUDGET)"
-    assert f"fill 0 problems ({left} left to the requests: KWARM_BUDGET)" in result["family"]["details"]["summary"]
+    assert sorted(_ms(result, "column")) == EXACT, "the exact counts run whatever the budget"
+    summary = result["family"]["details"]["summary"]
+    for name, left in (("grid", 4 * len([m for m in GRID if m > 64])), ("fill", 4 * len([m for m in FILL if m not in GRID]))):
+        assert steps[name]["status"] == "ran"
+        assert steps[name]["variants"][-1] == f"0 GEMM problems run, {left} left to the requests (KWARM_BUDGET)"
+        assert f"{name} 0 problems ({left} left to the requests: KWARM_BUDGET)" in summary
 
 
 def test_learned_token_counts_are_warmed_exactly_first(release):

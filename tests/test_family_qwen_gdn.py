@@ -1,7 +1,7 @@
 """The ``qwen_gdn`` family against vLLM's real GDN entry functions and Triton kernels.
 
-Each release runs in a fresh interpreter (``run_py(release=...)``) with Triton's interpreter on
-CPU (``cpu_triton_env``), shapes of the tiny Qwen3-Next (gpu-kit/models/tiny-qwen3-next: linear
+Each release runs tests/scenarios/qwen_gdn.py in a fresh interpreter (``run_scenario_cases``) with
+Triton's interpreter on CPU (``cpu_triton_env``), shapes of the tiny Qwen3-Next (gpu-kit/models/tiny-qwen3-next: linear
 heads k=2 v=4, head dims 128, conv kernel 4). What is real and what stands in:
 
 - the layer is an instance of vLLM's own class (``QwenGatedDeltaNetAttention``, 0.20's
@@ -24,159 +24,9 @@ import functools
 
 import pytest
 
-from conftest import MATRIX, REPO, cpu_triton_env, result_of, run_cases, run_py
+from conftest import MATRIX, REPO, cpu_triton_env, result_of, run_py, run_scenario_cases
 
-# Outside the checkout: `kwarm_ext.kernels` exists only in the installed copy.
-SCENARIO = r'''
-import inspect, json, sys, types
-import torch
-from kwarm_ext.engine import EngineView
-from kwarm_ext.kernels import qwen_gdn as fam
-from kwarm_ext.vllm_compat import resolve
-import vllm.model_executor.layers.mamba.ops.causal_conv1d as conv_mod
-
-CASES = json.loads(__ARGS__)
-CONFIG = json.load(open(__CONFIG__))
-SMS = 132
-
-LayerCls = resolve("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention",
-                   "vllm.model_executor.layers.mamba.gdn_linear_attn:GatedDeltaNetAttention")
-NormCls = resolve("vllm.model_executor.layers.layernorm:RMSNormGated")
-norm_mod = sys.modules[fam.fla("layernorm_guard", "layer_norm_fwd").__module__]
-post_mod = sys.modules[fam.fla("fused_gdn_prefill_post_conv", "fused_post_conv_prep").__module__]
-sig_mod = sys.modules[fam.fla("fused_sigmoid_gating", "fused_sigmoid_gating_delta_rule_update").__module__]
-rec_mod = sys.modules[fam.fla("fused_recurrent", "fused_recurrent_gated_delta_rule_packed_decode").__module__]
-for mod in list(sys.modules.values()):  # CPU: no pinned memory, no SM count
-    if getattr(mod, "__name__", "").startswith("vllm"):
-        if hasattr(mod, "PIN_MEMORY"):
-            mod.PIN_MEMORY = False
-        if hasattr(mod, "num_compute_units"):
-            mod.num_compute_units = lambda index=None: SMS
-
-
-def bare(cls):
-    """vLLM's own class without its __init__ (which needs a TP group and a vLLM config)."""
-    obj = torch.nn.Module.__new__(cls)
-    torch.nn.Module.__init__(obj)
-    return obj
-
-
-def ptr16(t):
-    return t.data_ptr() % 16 == 0
-
-
-seen = {}
-conv_cache = ssm_cache = None
-
-
-class ConvRecorder:
-    """Stands in for _causal_conv1d_fwd_kernel (not runnable in Triton's interpreter)."""
-
-    def __init__(self, real):
-        self.fn = real  # what kwarm reads the kernel's specialization from (.fn, like Heuristics)
-        self.names = list(inspect.signature(real.fn).parameters)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            named = dict(zip(self.names, args), **kwargs)
-            keep = ("dim", "seqlen", "num_cache_lines", "stride_x_dim", "stride_x_token", "stride_o_dim",
-                    "stride_o_token", "stride_cache_indices", "stride_istate_seq", "HAS_BIAS",
-                    "SILU_ACTIVATION", "HAS_NULL_BLOCK", "IS_APC_ENABLED")
-            rec = {k: named[k] for k in keep if k in named}
-            rec["x_dtype"] = str(named["x_ptr"].dtype)
-            rec["conv_state_is_bound"] = named["initial_states_ptr"].data_ptr() == conv_cache.data_ptr()
-            rec["batch_ptr_from_metadata"] = named["batch_ptr"] is not None
-            seen["conv_fwd"].append(rec)
-        return launch
-
-
-conv_mod._causal_conv1d_fwd_kernel = ConvRecorder(conv_mod._causal_conv1d_fwd_kernel)
-
-
-def spy(mod, attr, record):
-    real = getattr(mod, attr)
-    def wrapper(*args, **kwargs):
-        bound = inspect.signature(real).bind(*args, **kwargs).arguments
-        record(bound)
-        return real(*args, **kwargs)
-    setattr(mod, attr, wrapper)
-
-
-spy(post_mod, "fused_post_conv_prep", lambda a: seen["post_conv"].append(dict(
-    L=a["conv_output"].shape[0], x_tok=a["conv_output"].stride(0), x16=ptr16(a["conv_output"]),
-    a_tok=a["a"].stride(0), a16=ptr16(a["a"]), b16=ptr16(a["b"]))))
-spy(sig_mod, "fused_sigmoid_gating_delta_rule_update", lambda a: seen["sigmoid"].append(dict(
-    index_stride=a["ssm_state_indices"].stride(0), index_ndim=a["ssm_state_indices"].dim(),
-    bound_state=a["initial_state"].data_ptr() == ssm_cache.data_ptr(), l2=a["use_qk_l2norm_in_kernel"])))
-spy(conv_mod, "causal_conv1d_update", lambda a: seen["update"].append(dict(
-    batch=a["x"].shape[0], pitch=a["x"].stride(0), index_stride=a["conv_state_indices"].stride(0))))
-spy(rec_mod, "fused_recurrent_gated_delta_rule_packed_decode", lambda a: seen["packed"].append(dict(
-    pitch=a["mixed_qkv"].stride(0), a_tok=a["a"].stride(0), a16=ptr16(a["a"]),
-    bound_state=a["initial_state"].data_ptr() == ssm_cache.data_ptr())))
-spy(norm_mod, "layer_norm_fwd", lambda a: seen["norm"].append(dict(
-    M=a["x"].shape[0], rows_per_block=norm_mod.calc_rows_per_block(a["x"].shape[0], a["x"].device))))
-
-
-def build_layer(ARGS):
-    global conv_cache, ssm_cache
-    tp = ARGS["tp"]
-    bf16 = torch.bfloat16
-    h, hv = CONFIG["linear_num_key_heads"] // tp, CONFIG["linear_num_value_heads"] // tp
-    K, V, W = CONFIG["linear_key_head_dim"], CONFIG["linear_value_head_dim"], CONFIG["linear_conv_kernel_dim"]
-    conv_dim = 2 * h * K + hv * V
-    layer = bare(LayerCls)
-    for name, value in dict(num_k_heads=CONFIG["linear_num_key_heads"], num_v_heads=CONFIG["linear_num_value_heads"],
-                            head_k_dim=K, head_v_dim=V, conv_kernel_size=W, tp_size=tp, tp_rank=0,
-                            activation=CONFIG["hidden_act"], num_spec=ARGS["num_spec"], prefix="model.layers.0.linear_attn",
-                            gqa_interleaved_layout=ARGS["model_type"] == "qwen3_next",
-                            key_dim=K * CONFIG["linear_num_key_heads"], value_dim=V * CONFIG["linear_num_value_heads"],
-                            enable_packed_recurrent_decode=True).items():
-        setattr(layer, name, value)
-    layer.conv1d = torch.nn.Module()
-    layer.conv1d.weight = torch.nn.Parameter(torch.randn(conv_dim, 1, W, dtype=bf16), requires_grad=False)
-    layer.conv1d.bias = None
-    layer.A_log = torch.nn.Parameter(torch.randn(hv, dtype=torch.float32), requires_grad=False)
-    layer.dt_bias = torch.nn.Parameter(torch.ones(hv, dtype=bf16), requires_grad=False)
-    norm = bare(NormCls)
-    norm.weight = torch.nn.Parameter(torch.ones(V, dtype=bf16), requires_grad=False)
-    norm.register_parameter("bias", None)
-    for name, value in dict(eps=1e-6, group_size=None, norm_before_gate=True, activation="silu").items():
-        setattr(norm, name, value)
-    norm._forward_method = norm.forward_native if ARGS["norm_native"] else norm.forward_cuda
-    layer.norm = norm
-    blocks = 6
-    dim_first = resolve("vllm.model_executor.layers.mamba.mamba_utils:is_conv_state_dim_first")()
-    conv_cache = torch.randn((blocks, conv_dim, W - 1) if dim_first else (blocks, W - 1, conv_dim), dtype=bf16)
-    ssm_cache = torch.randn((blocks, hv, V, K), dtype=torch.float32)
-    layer.kv_cache = (conv_cache, ssm_cache) if ARGS["bound"] else (torch.tensor([]), torch.tensor([]))
-    snapshot = (conv_cache.clone(), ssm_cache.clone())
-    return layer, snapshot
-
-
-def run_case(ARGS):
-    global seen
-    seen = {"conv_fwd": [], "post_conv": [], "sigmoid": [], "update": [], "packed": [], "norm": []}
-    layer, snapshot = build_layer(ARGS)
-    context = {"model.layers.0.linear_attn": layer, "model.layers.3.self_attn.attn": types.SimpleNamespace()}
-    view = EngineView(runner=types.SimpleNamespace(max_num_tokens=ARGS["max_tokens"]), runner_kind="V1",
-                      model_type=ARGS["model_type"], forward_context=context,
-                      max_num_batched_tokens=ARGS["max_tokens"], max_num_reqs=16,
-                      enforce_eager=ARGS["eager"], cudagraph_mode=ARGS["cudagraph_mode"],
-                      is_pooling_model=ARGS["pooling"])
-    out = {"applies": fam.applies(view), "steps": [], "seen": seen}
-    if out["applies"] is None:
-        for step in fam.plan(view, ARGS["forced"]):
-            rec = {"name": step.name, "kernel": step.kernel, "skip": step.skip}
-            if step.run is not None:
-                rec["labels"] = step.run()
-            out["steps"].append(rec)
-    out["states_untouched"] = torch.equal(conv_cache, snapshot[0]) and torch.equal(ssm_cache, snapshot[1])
-    return out
-
-
-print("RESULT " + json.dumps({name: run_case(args) for name, args in CASES.items()}))
-'''
-SCENARIO = SCENARIO.replace("__CONFIG__", repr(str(REPO / "bench" / "models" / "tiny-qwen3-next" / "config.json")))
+CONFIG = str(REPO / "bench" / "models" / "tiny-qwen3-next" / "config.json")
 
 BASE = dict(model_type="qwen3_next", tp=1, num_spec=0, eager=True, cudagraph_mode="NONE", max_tokens=64,
             pooling=False, bound=True, norm_native=False, forced=False)
@@ -196,8 +46,8 @@ CASES = {
 
 @functools.lru_cache(maxsize=None)
 def _batch(release: str) -> dict:
-    return run_cases(SCENARIO, {name: dict(BASE, **overrides) for name, overrides in CASES[release].items()},
-                     release)
+    cases = {name: dict(BASE, **overrides) for name, overrides in CASES[release].items()}
+    return run_scenario_cases("qwen_gdn", cases, release, CONFIG)
 
 
 def _run(release: str, case: str) -> dict:

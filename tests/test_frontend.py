@@ -10,51 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, result_of, run_py
-
-SCENARIO = r'''
-import json, logging, sys
-from types import SimpleNamespace
-
-import wrapt
-from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import input_processor as module
-from vllm.v1.sample import logits_processor as lp
-
-from kwarm_ext import patches
-
-logs = []
-handler = logging.Handler()
-handler.emit = lambda record: logs.append(record.getMessage())
-logging.getLogger("kwarm").addHandler(handler)
-
-first, second = patches.patch_input_processor(module), patches.patch_input_processor(module)
-wrapper = module.InputProcessor.__dict__["__init__"]
-wrapped_ok = (isinstance(wrapper, wrapt.FunctionWrapper)  # vLLM's own __init__, wrapped once
-              and not isinstance(wrapper.__wrapped__, wrapt.FunctionWrapper)
-              and wrapper.__wrapped__.__module__ == module.__name__)
-
-procs = json.loads(sys.argv[1])
-instance = SimpleNamespace(model_config=SimpleNamespace(logits_processors=procs))
-inits = []
-raised = None
-try:
-    patches._wrap_input_processor_init(lambda *a, **k: inits.append(1), instance, (), {})
-except Exception as exc:
-    raised = type(exc).__name__
-after_warm = lp.cached_load_custom_logitsprocs.cache_info()._asdict()
-if raised is None and procs is None:
-    lp.validate_logits_processors_parameters(None, SamplingParams())  # what request 0 does
-after_request = lp.cached_load_custom_logitsprocs.cache_info()._asdict()
-print("RESULT " + json.dumps({"patched": [first, second], "wrapped_ok": wrapped_ok, "inits": len(inits),
-                              "after_warm": after_warm, "after_request": after_request,
-                              "raised": raised, "logs": logs}))
-'''
+from conftest import clean_env, result_of, run_scenario
 
 
 def _run(procs=None, **env):
-    code = SCENARIO.replace("json.loads(sys.argv[1])", repr(procs))
-    return result_of(run_py(code, env=clean_env(CUDA_VISIBLE_DEVICES="", **env), timeout=240))
+    """tests/scenarios/frontend.py with the model's `procs` (logits_processors)."""
+    return result_of(run_scenario("frontend", procs, env=clean_env(CUDA_VISIBLE_DEVICES="", **env), timeout=240))
 
 
 def test_plugins_load_at_init_and_the_first_request_hits_the_cache():
