@@ -149,18 +149,17 @@ def summarize_report(report: dict | None) -> dict | None:
 
 
 AFTER_CAPTURE = " (after capture)"
-LATER_PARTS = ("after_capture", "engine_step")  # a report's parts after the worker's warmup
+LATER_PARTS = ("after_capture",)  # a report's parts after the worker's warmup
 
 
 def _later(report: dict) -> list:
-    """The families of a report's later parts: after CUDA-graph capture, and the engine-core
-    process's warm-up step (kwarm_ext/engine_step.py)."""
+    """The families of a report's later parts (after CUDA-graph capture)."""
     return [fam for part in LATER_PARTS for fam in (report.get(part) or {}).get("families", [])]
 
 
 def total_seconds(report: dict | None) -> float | None:
-    """All of kwarm's start time in a KWARM_REPORT: the warmup (ahead families included), the
-    after-capture families and the engine step."""
+    """All of kwarm's start time in a KWARM_REPORT: the warmup (ahead families included) and the
+    after-capture families."""
     if not report or report.get("total_s") is None:
         return None
     return round(float(report["total_s"]) + sum(float((report.get(part) or {}).get("total_s") or 0.0)

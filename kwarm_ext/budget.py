@@ -17,11 +17,11 @@ The budget of one worker's warmup, from ``KWARM_BUDGET``:
 - ``N`` or ``Ns``: N seconds; ``N%``: N% of that time, at least 1.5 s;
 - ``unlimited``: everything, whatever it costs.
 
-Why 8% and 1.5 s: the target (issue 15) is that kwarm adds at most max(2 s, 10%) of vLLM's own
+Why 8% and 1.5 s: the target is that kwarm adds at most max(2 s, 10%) of vLLM's own
 warm start, and the budget is not all of kwarm's time: the optional work stops at the deadline,
-but the after-capture families and the engine step (kwarm_ext/engine_step.py, 0.1-0.3 s) run
-after it, and the time before warmup that the budget is a share of varies from start to start
-by several percent (published-size Qwen3-Next, one call: 26.4 s before kwarm's warmup, 25.8 s
+but work that always runs may have spent it already and the after-capture families run after it,
+and the time before warmup that the budget is a share of varies from start to start by several
+percent (published-size Qwen3-Next, one call: 26.4 s before kwarm's warmup, 25.8 s
 for vLLM's whole start without kwarm). With 10% and 2 s the whole warmup took 2.69 s against a
 bound of 2.58 s (BENCHMARKS.md, "Start cost").
 """

@@ -111,17 +111,11 @@ FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "is built, not on the first request")
 
 
-# Not a worker family either: it runs in vLLM's engine-core process once ``EngineCore`` is built
-# (kwarm_ext/patches.py), after every worker's warmup and CUDA-graph capture.
-ENGINE_STEP = Family("engine_step", "kwarm_ext.engine_step",
-                     "engine-core process: one warm-up request through vLLM's own scheduler, model "
-                     "runner and sampler once the engine is built, dropped before any client sees it "
-                     "(the first request's cold Python path)")
-OUTSIDE_WORKERS = (FRONTEND, ENGINE_STEP)
+OUTSIDE_WORKERS = (FRONTEND,)
 
 
 def selectable() -> tuple:
-    """Every name KWARM_WARMUPS accepts: the table's families, the front end and the engine step."""
+    """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
     return (*FAMILIES, *(f.name for f in OUTSIDE_WORKERS))
 
 

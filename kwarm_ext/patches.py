@@ -5,8 +5,7 @@ Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6
 warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
 CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
-:func:`_wrap_input_processor_init`) and ``vllm.v1.engine.core.EngineCore.__init__`` (the
-warm-up engine step, documented at :func:`_wrap_engine_core_init`).
+:func:`_wrap_input_processor_init`).
 
 Why: vLLM compiles Triton kernels lazily, on the first request that hits each
 specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
@@ -44,7 +43,6 @@ TARGET_MODULE = "vllm.v1.worker.gpu_worker"
 TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
-ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 
 
 _installed = False
@@ -156,25 +154,6 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     return result
 
 
-def _wrap_engine_core_init(wrapped, instance, args, kwargs):
-    """Build vLLM's ``EngineCore``, then take kwarm's warm-up engine step on it.
-
-    Why: with every kernel warmed, the first request still runs the engine's Python path
-    (scheduler, input preparation, sampler, output handling) cold, 5-8 ms over its repeat on
-    the published-size models (kwarm_ext/engine_step.py). ``EngineCore.__init__`` returns
-    once the workers are warmed and captured and the scheduler is built, and before the
-    engine takes any request or reports itself ready, in every release 0.20-0.33
-    (``vllm/v1/engine/core.py``; ``EngineCoreProc`` calls it through ``super().__init__``).
-    It can go when vLLM takes a warm-up step of its own at start.
-    """
-    result = wrapped(*args, **kwargs)
-    with fail_open("engine step failed, the engine starts without it"):
-        from kwarm_ext import engine_step
-
-        engine_step.warm(instance)
-    return result
-
-
 # The table: every patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
@@ -182,6 +161,4 @@ AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_o
                       "kwarm's after-capture steps will not run", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-ENGINE_CORE = Patch(ENGINE_CORE_MODULE, "__init__", _wrap_engine_core_init, "0.20-0.33",
-                    "the warm-up engine step will not run", owner="EngineCore")
-PATCHES = (SERIALIZER, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR, ENGINE_CORE)
+PATCHES = (SERIALIZER, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
