@@ -3,7 +3,7 @@
 
     python bench/gemm_warm_match.py
 
-In the engine benchmark (BENCHMARKS.md, call 12) request 0's 12 ``torch.mm`` calls at M = 200
+In the engine benchmark (vLLM 0.24.0, request 0 under cProfile) request 0's 12 ``torch.mm`` calls at M = 200
 cost 0.13 ms more than in its repeat although ``eager_gemm`` had run every weight shape at
 M = 200 through the layers' own ``F.linear``. Each case below warms fresh token counts one way
 and then times the first and second call made another way (CPU ms summed over the weight

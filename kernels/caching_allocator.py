@@ -7,13 +7,13 @@ Why:
     run and sampler warmup, 16 tokens here) leaves the small pool (allocations of at most
     1 MiB, carved from 2 MiB segments) with free space, but in pieces: the first request's
     larger small allocations do not fit and start a new segment with ``cudaMalloc``, which
-    its repeat does not pay. Measured on the GPU host (engine benchmark, vLLM 0.24.0, call
-    23): request 0 (a 200-token prefill) of both tiny models made one new small-pool segment,
-    the repeat none, while the small pool held 11-13 MiB cached free (calls 15-17). In the
-    cProfile diffs of request 0 and its repeat, the tiny Qwen3-Next's 43 ``torch.empty`` calls
-    took 2.0 ms more (call 21; its GDN layers' ``fused_post_conv_prep`` allocates 0.8 MB
+    its repeat does not pay. Measured on the GPU host (engine benchmark, vLLM 0.24.0, its
+    allocator counters): request 0 (a 200-token prefill) of both tiny models made one new
+    small-pool segment, the repeat none, while the small pool held 11-13 MiB cached free. In
+    the cProfile diffs of request 0 and its repeat, the tiny Qwen3-Next's 43 ``torch.empty``
+    calls took 2.0 ms more (its GDN layers' ``fused_post_conv_prep`` allocates 0.8 MB
     tensors), the tiny DeepSeek-V3.2's 43 ``empty_strided_cuda`` 0.6 ms more. Counting free
-    bytes, as a first version of this family did (calls 15-17), misses it.
+    bytes, as a first version of this family did, misses it.
 
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture

@@ -124,7 +124,7 @@ def collect() -> dict:
         "doors": doors(settings.enable),
         "hook_target": hook_target() if vllm else {"found": False, "error": "vllm is not installed"},
         "upstream_warmups": {} if vllm else {"error": "vllm is not installed: nothing to compare with"},
-        "families": {n: {"summary": f.summary, "selected": settings.warmups.wants(n),
+        "families": {n: {"summary": f.summary, "upstream": f.upstream, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced,
                          "here": _applies_here(n, settings, vllm, here)}
                      for n, f in {**FAMILIES, **{f.name: f for f in OUTSIDE_WORKERS}}.items()},
@@ -194,6 +194,7 @@ def render(r: dict) -> str:
     for name, f in r["families"].items():
         state = "forced" if f["forced"] else ("selected" if f["selected"] else "disabled")
         lines.append(f"  {name:{width}s} {state:9s} {f['summary']}")
+        lines.append(f"  {'':{width}s} {'':9s} upstream: {f['upstream']}")
         lines.append(f"  {'':{width}s} {'':9s} runs here: {f['here']}")
     m = r.get("manifests") or {}
     lines += ["", "learn-and-replay manifests:"]

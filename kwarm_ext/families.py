@@ -38,6 +38,7 @@ class Family:
     name: str
     module: str
     summary: str
+    upstream: str = ""  # what vLLM's own warmups cover of it, and what kwarm adds (kwarm doctor)
     after_capture: bool = False  # planned and run after compile_or_warm_up_model
     ahead: bool = False  # planned and run before vLLM's kernel_warmup
 
@@ -72,34 +73,53 @@ FAMILIES = {
         Family("deep_gemm", "kwarm_ext.kernels.deep_gemm",
                "block-FP8 models: DeepGEMM's GEMM kernels that vLLM's DeepGEMM warmup compiles one "
                "by one, compiled first on every core of the rank (child processes on the engine's "
-               "weights through CUDA IPC), so that vLLM's warmup loads them", ahead=True),
+               "weights through CUDA IPC), so that vLLM's warmup loads them",
+               "vLLM compiles the same kernels itself, one by one (deep_gemm_warmup, 0.20-0.33); kwarm adds "
+               "the parallel compile before it, so that vLLM's warmup only loads them", ahead=True),
         Family("replay", "kwarm_ext.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
-               "(KWARM_LEARN); applies when a manifest exists"),
+               "(KWARM_LEARN); applies when a manifest exists",
+               "none: it replays what this deployment still compiled after every other warmup"),
         Family("runner", "kwarm_ext.kernels.runner",
-               "per-step runner kernels of hybrid and MLA models: slot mapping, KV-block zeroing"),
+               "per-step runner kernels of hybrid and MLA models: slot mapping, KV-block zeroing",
+               "0.27+ KVBlockZeroer.warmup covers zeroing; 0.27-0.28 warm_v1_block_table_kernels and the "
+               "0.29+ JIT warmup registry cover slot mapping on V1; kwarm adds the integer classes they "
+               "leave (0.20-0.26: all), nothing on the V2 runner"),
         Family("qwen_gdn", "kwarm_ext.kernels.qwen_gdn",
-               "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm"),
+               "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm",
+               "0.25+ qwen_triton_warmup warms one key each of conv fwd, post-conv and sigmoid gating "
+               "(0.30+: the gated RMSNorm too), and kwarm skips those keys; kwarm adds the other integer "
+               "classes, the mixed-batch variants, other layer shapes and the eager decode kernels"),
         Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
-               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits"),
+               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits",
+               "0.25-0.29 sparse_mla_triton_warmup and the 0.30+ JIT warmup registry warm chunk-metadata "
+               "keys (0.33: all 9 classes), and kwarm skips those; kwarm adds the other keys, the index "
+               "conversion where upstream skips it and the indexer's DeepGEMM kernels (no release warms them)"),
         Family("triton_attn", "kwarm_ext.kernels.triton_attn",
                "TRITON_ATTN attention: kernel_unified_attention (2D and 3D) and reduce_segments at "
                "every batch class vLLM's selection code reaches, through its metadata builder and "
-               "the layer's own forward; compiled ahead on a thread pool"),
+               "the layer's own forward; compiled ahead on a thread pool",
+               "CUDA-graph capture compiles the captured decode sizes and the V2 runner's warmup_kernels "
+               "(0.29+) a few real steps; kwarm adds every other batch class, on both sides of the 3D threshold"),
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
-               "(config region x integer class), through the runner's own dummy runs"),
+               "(config region x integer class), through the runner's own dummy runs",
+               "none (0.20-0.33); kwarm does not run it on the V2 runner (0.29+), whose warmup_kernels "
+               "runs real steps"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
-               "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving"),
+               "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving",
+               "vLLM's own FlashInfer dummy runs (kwarm skips FlashInfer) and the V2 runner's warmup_kernels "
+               "(0.29+: kwarm does not run it there); kwarm adds it for the V1 runner's other backends"),
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
                "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
-               "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA"),
+               "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA",
+               "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
                "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
                "allocated and freed, so that the first request's allocations find whole free blocks",
-               after_capture=True),
+               "none (0.20-0.33)", after_capture=True),
     )
 }
 
@@ -108,7 +128,8 @@ FAMILIES = {
 # `kwarm doctor` know it by name like the others.
 FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
-                  "is built, not on the first request")
+                  "is built, not on the first request",
+                  "none: vLLM loads them on the first request (0.20-0.33)")
 
 
 OUTSIDE_WORKERS = (FRONTEND,)

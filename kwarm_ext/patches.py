@@ -123,7 +123,7 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     Why: ``capture_model`` empties torch's caching allocator (``empty_cache()``) after
     kwarm's warmup (the ``kernel_warmup`` hook runs before capture), so the first request
     starts a new small-pool segment with ``cudaMalloc`` and its repeat does not (both tiny
-    models, vLLM 0.24.0, engine benchmark calls 23-26; see kernels/caching_allocator.py,
+    models, vLLM 0.24.0, the engine benchmark's allocator counters; see kernels/caching_allocator.py,
     the one family that runs here). The worker's ``compile_or_warm_up_model`` is the
     last thing vLLM runs on a worker before serving, in every release 0.20-0.33, whichever
     runner (V1 or V2) and whether or not it captures. It can go when vLLM stops emptying the

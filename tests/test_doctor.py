@@ -47,6 +47,7 @@ def test_doctor_disabled_and_filtered():
     ("0.26.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup"}),
     ("0.28.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup",
                 "kv_block_zeroer_warmup", "jit_warmup_registry"}),
+    ("0.33.0", {"qwen_triton_warmup", "kv_block_zeroer_warmup", "jit_warmup_registry", "mamba_triton_warmup"}),
 ])
 def test_doctor_finds_upstream_warmups_per_release(release, present):
     r = doctor(clean_env(CUDA_VISIBLE_DEVICES=""), release=release)
@@ -83,6 +84,22 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     for backend in ("FLASH_ATTN", "FLASHMLA"):  # issue 20: backends without run-time compiles say so
         assert r["attention_backends"][backend]["warmed_by"] == "nothing compiles at run time: nothing to warm"
     assert "  TRITON_ATTN           Triton: kernel_unified_attention (2D/3D), reduce_segments: triton_attn" in text
+
+
+def test_every_family_says_what_upstream_covers_and_what_kwarm_adds():
+    from kwarm_ext import doctor as doctor_module
+    from kwarm_ext.families import FAMILIES, OUTSIDE_WORKERS
+
+    for family in (*FAMILIES.values(), *OUTSIDE_WORKERS):
+        assert len(family.upstream) > 10, family.name
+    r = {"kwarm": "x", "enable_text": "enabled", "versions": {}, "gpu": {"available": True, "name": "H200", "count": 1},
+         "doors": {}, "hook_target": {"module": None, "error": "e"}, "upstream_warmups": {},
+         "families": {"eager_gemm": {"summary": "s", "upstream": FAMILIES["eager_gemm"].upstream, "forced": False,
+                                     "selected": True, "here": "yes"}},
+         "config": {}, "config_problems": []}
+    text = doctor_module.render(r)
+    assert "upstream: none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)" in text
+    assert text.index("upstream:") < text.index("runs here: yes")
 
 
 def test_attention_backends_name_real_families():
