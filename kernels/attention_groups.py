@@ -2,7 +2,7 @@
 groups, a group's metadata builder and layers, the rows of its real block table, and a
 ``CommonAttentionMetadata`` for a dummy batch that vLLM's own builders turn into metadata.
 
-Not a family (no ``applies``/``plan``): shared by ``dsa_indexer`` and ``triton_attn``.
+Not a family (no ``applies``/``plan``): shared by ``dsa_indexer``, ``triton_attn`` and ``triton_mla``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,15 @@ def groups_of(view, backend: str) -> list:
             if name == backend:
                 out.append(group)
     return out
+
+
+def backend_reason(view, backend: str) -> str | None:
+    """An attention family's ``applies``: None when the engine runs `backend`, else why not."""
+    if view.runner is None:
+        return "no model runner"
+    if not view.has_backend(backend):
+        return f"no {backend} attention backend"
+    return None
 
 
 def vllm_config(view):

@@ -47,7 +47,6 @@ Remove when:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
@@ -55,7 +54,8 @@ import time
 
 from kwarm_ext import triton_compile
 from kwarm_ext.families import Plan, Step
-from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, common_metadata,
+from kwarm_ext.kernels.launches import observed_launches
+from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, common_metadata,
                                                 groups_of, metadata_builder, vllm_config)
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
@@ -69,12 +69,10 @@ OPS_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
 KERNELS = (KERNEL, "reduce_segments")
 TRITON_KERNELS = KERNELS  # what this family compiles at start
 BATCH_PARAM = "num_seqs"
+
+
 def applies(view) -> str | None:
-    if view.runner is None:
-        return "no model runner"
-    if not view.has_backend(BACKEND):
-        return f"no {BACKEND} attention backend"
-    return None
+    return backend_reason(view, BACKEND)
 
 
 @dataclasses.dataclass
@@ -172,53 +170,6 @@ def run_batch(target: Target, batch: Batch) -> None:
     value = torch.zeros(tokens, kv_heads, head_v, dtype=dtype, device=target.device)
     output = torch.zeros(tokens, heads, head_v, dtype=dtype, device=target.device)
     layer.impl.forward(layer, query, key, value, target.kv_cache, metadata, output=output)
-
-
-# ---------------------------------------------------------------------------- launch keys
-
-@contextlib.contextmanager
-def observed_launches(kernels: dict, *, launch: bool):
-    """Inside the block each launch of `kernels` appends ``(name, key)`` to the yielded list;
-    with `launch` false nothing compiles or runs (the kernel returns None). The key of a
-    launch is known only once vLLM's ``unified_attention`` has computed its arguments from the
-    batch: recording the launch (``triton_compile.shadowed_runs``, whose docstring says why and
-    until when) reads the batch's specialization without replicating that code."""
-    seen: list = []
-    names = {id(kernel): name for name, kernel in kernels.items()}
-
-    def recording(kernel, original):
-        def run(*args, grid=None, warmup=False, **kwargs):
-            seen.append((names[id(kernel)], launch_key(kernel, args, kwargs)))
-            return original(*args, grid=grid, warmup=warmup, **kwargs) if launch else None
-
-        return run
-
-    with triton_compile.shadowed_runs(kernels.values(), recording):
-        yield seen
-
-
-def launch_key(kernel, args, kwargs) -> tuple:
-    """What Triton keys a launch on, readably: ``((param, value), ...)`` with constexprs by
-    value, specialized integers by class, tensors by dtype, floats as ``fp``. Pointer
-    alignment is left out (every tensor here is a fresh, aligned allocation)."""
-    names = triton_compile.param_names(kernel)
-    bound = dict(zip(names, args), **kwargs)
-    out = []
-    for name in names:
-        if name not in bound:
-            continue
-        value, mode = bound[name], param_mode(kernel, name)
-        if mode == "constexpr":
-            out.append((name, value if isinstance(value, (bool, int, float, str, type(None))) else str(value)))
-        elif value is None or isinstance(value, bool):
-            out.append((name, value))
-        elif isinstance(value, int):
-            out.append((name, int_class(value) if mode == "class" else "int"))
-        elif isinstance(value, float):
-            out.append((name, "fp"))
-        else:
-            out.append((name, str(getattr(value, "dtype", type(value).__name__))))
-    return tuple(out)
 
 
 def decision(key: tuple) -> tuple:

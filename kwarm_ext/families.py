@@ -101,6 +101,12 @@ FAMILIES = {
                "the layer's own forward; compiled ahead on a thread pool",
                "CUDA-graph capture compiles the captured decode sizes and the V2 runner's warmup_kernels "
                "(0.29+) a few real steps; kwarm adds every other batch class, on both sides of the 3D threshold"),
+        Family("triton_mla", "kwarm_ext.kernels.triton_mla",
+               "TRITON_MLA attention: the MLA decode kernels at every NUM_KV_SPLITS (a power of two from "
+               "the batch's longest context) the release's forward_mqa chooses up to max_model_len, "
+               "through the layer's own forward_mqa",
+               "none (0.20-0.33); CUDA-graph capture compiles the split count of its dummy batches, and "
+               "kwarm adds every other one"),
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs",

@@ -26,7 +26,7 @@ public warmup-extension point that runs at the same moment (the JIT-warmup regis
 of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
 
 Elsewhere, by design: the scoped, instance-level ``run`` shadows of compile-ahead and launch
-recording (``triton_compile.launches_compile_only``, ``kernels/triton_attn.observed_launches``),
+recording (``triton_compile.launches_compile_only``, ``kernels/launches.observed_launches``),
 which patch Triton objects for the length of a ``with`` block.
 """
 from __future__ import annotations

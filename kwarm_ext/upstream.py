@@ -44,7 +44,7 @@ ATTENTION_BACKENDS = {
     "TRITON_ATTN": ("Triton: kernel_unified_attention (2D/3D), reduce_segments", "triton_attn"),
     "TRITON_MLA": ("Triton: MLA decode kernels, NUM_KV_SPLITS a constexpr (a power of two from the batch's "
                    "longest context / 512): outside FULL CUDA graphs each new power compiles",
-                   "not warmed by a family yet; a learned manifest replays them"),
+                   "triton_mla"),
     "FLASHINFER": ("FlashInfer's own precompiled or JIT modules", "vLLM's kernel_warmup (FlashInfer dummy runs)"),
     "GDN_ATTN": ("Triton: FLA gated delta-net kernels", "qwen_gdn"),
     "DEEPSEEK_V32_INDEXER": ("Triton and DeepGEMM (JIT)", "dsa_indexer"),
