@@ -59,13 +59,13 @@ def download(requirements: list[str], dest: Path) -> list[Path]:
     """Wheels for the host's Python and platform, without their dependencies."""
     if not requirements:
         return []
-    dest.mkdir(parents=True, exist_ok=True)
-    before = set(dest.glob("*.whl"))
+    shutil.rmtree(dest, ignore_errors=True)  # only these requirements' wheels (pip's cache keeps the bytes)
+    dest.mkdir(parents=True)
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", PYTHON, "--implementation", "cp", *platforms, "-d", str(dest),
                     *requirements], check=True)
-    return sorted(set(dest.glob("*.whl")) - before) or sorted(dest.glob("*.whl"))
+    return sorted(dest.glob("*.whl"))
 
 
 def wheel_requires(wheel: Path, name: str) -> str | None:
