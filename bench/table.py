@@ -133,7 +133,7 @@ def summarize_report(report: dict | None) -> dict | None:
     if not report:
         return None
     families = []
-    for fam, suffix in [(f, "") for f in report.get("families", [])] + [(f, " (after capture)") for f in _later(report)]:
+    for fam, suffix in [(f, "") for f in report.get("families", [])] + [(f, " (after capture)") for f in _after_capture(report)]:
         steps = fam.get("steps", [])
         families.append({
             "name": fam.get("name") + suffix, "status": fam.get("status"), "reason": fam.get("reason"),
@@ -149,12 +149,11 @@ def summarize_report(report: dict | None) -> dict | None:
 
 
 AFTER_CAPTURE = " (after capture)"
-LATER_PARTS = ("after_capture",)  # a report's parts after the worker's warmup
 
 
-def _later(report: dict) -> list:
-    """The families of a report's later parts (after CUDA-graph capture)."""
-    return [fam for part in LATER_PARTS for fam in (report.get(part) or {}).get("families", [])]
+def _after_capture(report: dict) -> list:
+    """The families a report ran after CUDA-graph capture."""
+    return (report.get("after_capture") or {}).get("families", [])
 
 
 def total_seconds(report: dict | None) -> float | None:
@@ -162,8 +161,7 @@ def total_seconds(report: dict | None) -> float | None:
     after-capture families."""
     if not report or report.get("total_s") is None:
         return None
-    return round(float(report["total_s"]) + sum(float((report.get(part) or {}).get("total_s") or 0.0)
-                                                 for part in LATER_PARTS), 4)
+    return round(float(report["total_s"]) + float((report.get("after_capture") or {}).get("total_s") or 0.0), 4)
 
 
 def family_seconds(report: dict | None) -> dict[str, float]:
@@ -172,7 +170,7 @@ def family_seconds(report: dict | None) -> dict[str, float]:
     if not report:
         return {}
     found: dict[str, float] = {}
-    for fam in list(report.get("families", [])) + _later(report):
+    for fam in list(report.get("families", [])) + _after_capture(report):
         if fam.get("status") == "ran" and fam.get("name"):
             found[fam["name"]] = found.get(fam["name"], 0.0) + float(fam.get("seconds") or 0.0)
     return {name: round(sec, 3) for name, sec in sorted(found.items(), key=lambda kv: (-kv[1], kv[0]))}

@@ -35,6 +35,20 @@ def backend_reason(view, backend: str) -> str | None:
     return None
 
 
+def group_layer(view, group):
+    """The group's first layer in the engine's forward context, or None."""
+    return next((view.forward_context[name] for name in getattr(group, "layer_names", None) or ()
+                 if name in view.forward_context), None)
+
+
+def group_id_of(group, label: str) -> int:
+    """The group's ``kv_cache_group_id`` (its block table's index); Missing when it has none."""
+    group_id = getattr(group, "kv_cache_group_id", None)
+    if not isinstance(group_id, int):
+        raise Missing(f"{label}: no kv_cache_group_id")
+    return group_id
+
+
 def vllm_config(view):
     """The engine's VllmConfig, from the worker or the runner."""
     return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)

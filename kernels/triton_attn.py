@@ -56,7 +56,8 @@ from kwarm_ext import triton_compile
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, common_metadata,
-                                                groups_of, metadata_builder, vllm_config)
+                                                group_id_of, group_layer, groups_of, metadata_builder,
+                                                vllm_config)
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
 from kwarm_ext.triton_compat import int_class, param_mode
@@ -127,17 +128,14 @@ def target_of(view, group, label: str) -> Target:
     builder = metadata_builder(group)
     if builder is None or not callable(getattr(builder, "build", None)):
         raise Missing(f"{label}: no metadata builder")
-    layer = next((view.forward_context[name] for name in getattr(group, "layer_names", None) or ()
-                  if name in view.forward_context), None)
+    layer = group_layer(view, group)
     if layer is None or getattr(layer, "impl", None) is None:
         raise Missing(f"{label}: no attention layer in the forward context")
     kind = getattr(getattr(layer.impl, "attn_type", None), "value", getattr(layer.impl, "attn_type", "decoder"))
     if str(kind).lower() != "decoder":
         raise Missing(f"{label}: {kind} attention (no KV cache)")
     kv_cache = bound_kv_cache(layer)
-    group_id = getattr(group, "kv_cache_group_id", None)
-    if not isinstance(group_id, int):
-        raise Missing(f"{label}: no kv_cache_group_id")
+    group_id = group_id_of(group, label)
     max_reqs = view.max_num_reqs or getattr(view.runner, "max_num_reqs", None)
     max_tokens = view.max_num_batched_tokens
     if not isinstance(max_reqs, int) or not isinstance(max_tokens, int):

@@ -43,8 +43,8 @@ import functools
 import time
 
 from kwarm_ext.families import Plan, Step
-from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, groups_of,
-                                                vllm_config)
+from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, group_id_of,
+                                                group_layer, groups_of, vllm_config)
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
@@ -118,17 +118,14 @@ def metadata_classes() -> tuple:
 
 
 def target_of(view, group, label: str) -> Target:
-    layer = next((view.forward_context[name] for name in getattr(group, "layer_names", None) or ()
-                  if name in view.forward_context), None)
+    layer = group_layer(view, group)
     impl = getattr(layer, "impl", None)
     if impl is None or not callable(getattr(impl, "forward_mqa", None)):
         raise Missing(f"{label}: no MLA layer with forward_mqa in the forward context")
     kv_cache = bound_kv_cache(layer)
     if kv_cache is None or not getattr(kv_cache, "numel", lambda: 0)():
         raise Missing(f"{label}: the layer has no bound KV cache")
-    group_id = getattr(group, "kv_cache_group_id", None)
-    if not isinstance(group_id, int):
-        raise Missing(f"{label}: no kv_cache_group_id")
+    group_id = group_id_of(group, label)
     model_config = getattr(vllm_config(view), "model_config", None)
     dtype, max_len = getattr(model_config, "dtype", None), getattr(model_config, "max_model_len", None)
     if dtype is None or not isinstance(max_len, int):
@@ -212,7 +209,7 @@ def warm(target: Target, kernels: dict, classes: tuple, groups: list) -> list:
                 decode(target, classes, length)
             labels.append(f"context {length}: NUM_KV_SPLITS {splits_of(key)}: {' + '.join(name for name, _ in seen)}")
         synchronize(target.device)
-    groups.append(f"{target.label}: {len(chosen)} split counts ({splits_of(tuple(p for k in chosen for p in k))}), "
+    groups.append(f"{target.label}: {len(chosen)} split counts ({'/'.join(splits_of(k) for k in chosen)}), "
                   f"{len(context_lengths(target.max_model_len))} probes in {probe_s:.2f} s")
     return labels
 

@@ -108,7 +108,7 @@ def enabled_text(raw: str | None, enabled: bool) -> str:
 def collect() -> dict:
     from kwarm_ext import activation, config
     from kwarm_ext._version import __version__
-    from kwarm_ext.families import FAMILIES, OUTSIDE_WORKERS
+    from kwarm_ext.families import FAMILIES, FRONTEND
     from kwarm_ext.upstream import ATTENTION_BACKENDS, UPSTREAM_WARMUPS, detect
 
     settings = config.parse()
@@ -127,7 +127,7 @@ def collect() -> dict:
         "families": {n: {"summary": f.summary, "upstream": f.upstream, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced,
                          "here": _applies_here(n, settings, vllm, here)}
-                     for n, f in {**FAMILIES, **{f.name: f for f in OUTSIDE_WORKERS}}.items()},
+                     for n, f in {**FAMILIES, FRONTEND.name: FRONTEND}.items()},
         "attention_backends": {n: {"runs": runs, "warmed_by": by} for n, (runs, by) in ATTENTION_BACKENDS.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),

@@ -138,12 +138,9 @@ FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "none: vLLM loads them on the first request (0.20-0.33)")
 
 
-OUTSIDE_WORKERS = (FRONTEND,)
-
-
 def selectable() -> tuple:
     """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
-    return (*FAMILIES, *(f.name for f in OUTSIDE_WORKERS))
+    return (*FAMILIES, FRONTEND.name)
 
 
 def triton_owners() -> dict:

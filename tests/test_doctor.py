@@ -88,9 +88,9 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
 
 def test_every_family_says_what_upstream_covers_and_what_kwarm_adds():
     from kwarm_ext import doctor as doctor_module
-    from kwarm_ext.families import FAMILIES, OUTSIDE_WORKERS
+    from kwarm_ext.families import FAMILIES, FRONTEND
 
-    for family in (*FAMILIES.values(), *OUTSIDE_WORKERS):
+    for family in (*FAMILIES.values(), FRONTEND):
         assert len(family.upstream) > 10, family.name
     r = {"kwarm": "x", "enable_text": "enabled", "versions": {}, "gpu": {"available": True, "name": "H200", "count": 1},
          "doors": {}, "hook_target": {"module": None, "error": "e"}, "upstream_warmups": {},
