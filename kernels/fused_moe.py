@@ -57,10 +57,14 @@ How:
     blocks. Every rank computes the same M list from rank-independent inputs (config, shapes),
     so the collectives inside the forward line up under tensor parallelism.
 
-    The V2 model runner (0.29+ default) is not warmed: its ``_dummy_run`` has another contract
-    and its own ``warmup_kernels`` runs real steps; not verified on a GPU.
+    The V2 model runner (``vllm/v1/worker/gpu``, the default from 0.29) is warmed the same way
+    through its own ``_dummy_run`` (see :func:`~kwarm_ext.kernels.model_runner.dummy_runner`).
+    Its ``warmup_kernels`` (0.29+) runs a few real prefill, decode and mixed steps, which do not
+    reach the eager token counts: on the GPU host with vLLM 0.29.0 and kwarm's other families,
+    ``fused_moe_kernel`` still compiled 10 times in requests on both tiny models
+    (``BENCHMARKS.md``, vLLM 0.29.0).
 
-Upstream: none (0.20-0.33).
+Upstream: none that reaches the eager token counts (0.20-0.33).
 
 Remove when:
     vLLM warms its fused-MoE kernel for eager token counts (or stops specializing on them).
@@ -101,8 +105,6 @@ def applies(view) -> str | None:
         return "no model runner"
     if not view.layers_of(*MOE_LAYER_CLASSES):
         return "no fused-MoE layers"
-    if view.runner_kind == "V2":
-        return "V2 model runner: not warmed (its warmup_kernels runs real steps)"
     if not callable(getattr(view.runner, "_dummy_run", None)):
         return "runner has no _dummy_run"
     return None

@@ -42,12 +42,21 @@ def runner_models(runner) -> list:
 
 
 def dummy_runner(runner, **extra):
-    """``lambda M: runner._dummy_run(M, cudagraph_runtime_mode=NONE, skip_eplb=True, **extra)``:
-    vLLM's own eager forward over dummy tokens (V1 runner), bound to this release's signature
-    first, so a change there is a logged skip."""
-    mode = resolve("vllm.config:CUDAGraphMode", "vllm.config.compilation:CUDAGraphMode").NONE
-    kwargs = {"cudagraph_runtime_mode": mode, **extra}
-    if "skip_eplb" in params(runner._dummy_run):
+    """``lambda M: runner._dummy_run(M, ...)``: vLLM's own eager forward over dummy tokens,
+    bound to this release's signature first, so a change there is a logged skip.
+
+    The V1 runner (``gpu_model_runner``) is told ``cudagraph_runtime_mode=NONE``. The V2 runner
+    (``vllm/v1/worker/gpu``: opt-in in 0.20-0.28, the default from 0.29) takes no mode: its
+    ``CudaGraphManager.dispatch`` picks one from the batch, and it is NONE at the exact token
+    count until ``capture_model`` has run, which is after the kernel warmup kwarm wraps (and
+    above the largest capture size after it). ``skip_eplb=True`` where the signature has it.
+    """
+    names = params(runner._dummy_run)
+    kwargs = dict(extra)
+    if "cudagraph_runtime_mode" in names:
+        kwargs["cudagraph_runtime_mode"] = resolve("vllm.config:CUDAGraphMode",
+                                                   "vllm.config.compilation:CUDAGraphMode").NONE
+    if "skip_eplb" in names:
         kwargs["skip_eplb"] = True
     bind(runner._dummy_run, 1, **kwargs)
 

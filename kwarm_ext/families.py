@@ -110,8 +110,8 @@ FAMILIES = {
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs",
-               "none (0.20-0.33); kwarm does not run it on the V2 runner (0.29+), whose warmup_kernels "
-               "runs real steps"),
+               "none (0.20-0.33): the V2 runner's warmup_kernels (0.29+) runs a few real steps, which do "
+               "not reach the eager token counts; kwarm warms every class, on the V1 and V2 runners"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving",

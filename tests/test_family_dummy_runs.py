@@ -86,9 +86,29 @@ class Runner:
 
 Runner._dummy_run.__signature__ = inspect.signature(GPUModelRunner._dummy_run)
 
+try:  # the V2 model runner (opt-in in 0.20-0.28, the default from 0.29)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+except ImportError:
+    GPUModelRunnerV2 = None
+
+
+def v2_runner_class():
+    """Runner, with the V2 runner's module (what kwarm's engine view tells the kinds by) and
+    its real ``_dummy_run`` signature."""
+    def _dummy_run(self, num_tokens, *args, **kwargs):
+        return Runner._dummy_run(self, num_tokens, *args, **kwargs)
+    _dummy_run.__signature__ = inspect.signature(GPUModelRunnerV2._dummy_run)
+    return type("GPUModelRunner", (Runner,), {"__module__": "vllm.v1.worker.gpu.model_runner",
+                                               "_dummy_run": _dummy_run})
+
 
 def run_case(case):
-    runner = Runner(case)
+    if case.get("v2"):
+        if GPUModelRunnerV2 is None:
+            return {"no_v2": True}
+        runner = v2_runner_class()(case)
+    else:
+        runner = Runner(case)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v32"),
                                      enforce_eager=case.get("enforce_eager", False)),
@@ -128,6 +148,7 @@ TUNED = {"w1": [128, 384, 2048], "w2": [128, 2048, 192], "top_k": 8, "mode": "FU
          "capture": 512, "max_tokens": 4096, "table_at": list(range(513, 4097))}
 CASES = {
     "tiny": TINY,
+    "tiny_v2": dict(TINY, v2=True),
     "tuned": TUNED,
     "decode_only": dict(TINY, mode="FULL_DECODE_ONLY", max_tokens=256),
     "eager": dict(TINY, enforce_eager=True, max_tokens=256),
@@ -171,6 +192,21 @@ def test_tiny_default_config_regions(release):
     assert all(c["mode"] == "NONE" and c["skip_eplb"] is True for c in result["calls"])
     assert fam["steps"][0]["status"] == "ran" and len(fam["steps"][0]["variants"]) == len(regions)
     assert result["restored"], "the recording stand-in is gone after the step"
+
+
+def test_v2_runner_warms_the_same_token_counts(release):
+    """On the V2 runner (vllm/v1/worker/gpu, opt-in before 0.29) the family runs the same dummy runs as on
+    V1, through V2's own ``_dummy_run``, which takes no CUDA-graph mode (it runs eagerly at the
+    exact count before capture): on 0.29.0 upstream's warmup left fused_moe_kernel compiles in
+    requests (BENCHMARKS.md)."""
+    cases = _batch(release)
+    result = cases["tiny_v2"]
+    assert not result.get("no_v2"), f"vLLM {release} has no vllm.v1.worker.gpu.model_runner"
+    assert result["family"]["status"] == "ran", result["family"]
+    assert _ms(result) == _ms(cases["tiny"]) and len(_ms(result)) > 1
+    assert all(c["mode"] is None and c["skip_eplb"] is True for c in result["calls"]), \
+        "no cudagraph_runtime_mode: V2's _dummy_run does not take one"
+    assert result["restored"]
 
 
 def test_tuned_table_regions(release):
