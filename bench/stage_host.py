@@ -4,8 +4,8 @@
 Usage: ``stage_host.py DEST SHA256``, where ``DEST/parts`` holds ``part.00`` ... ``part.NN``.
 
 Result: ``DEST/site`` (vLLM's files and every staged wheel, installed with ``pip --no-deps
---target``) and ``DEST/env.sh``, which puts ``DEST/site`` first on ``PYTHONPATH`` for the host's
-``python3``. Then one check, printed: what imports from there (versions, CUDA, one GEMM, one Triton
+--target``) and ``DEST/env.sh``, which puts ``DEST/site`` and the folders its ``.pth`` files name
+first on ``PYTHONPATH`` for the host's ``python3``. Then one check, printed: what imports from there (versions, CUDA, one GEMM, one Triton
 kernel compiled and run) and each CUDA library the staged torch's metadata asks for against the
 version installed on the host (``host`` is what ``importlib.metadata`` finds outside ``DEST``).
 Exit status 1 when the checksum does not match; the check itself never fails the script.
@@ -13,6 +13,8 @@ Exit status 1 when the checksum does not match; the check itself never fails the
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -96,7 +98,8 @@ def main(argv: list[str]) -> int:
                         "--upgrade", "--target", str(dest / "site"), *wheels], check=True)
     _let_vllm_import_without_flash_attention(dest / "site")
     env = dest / "env.sh"
-    env.write_text(f'export PYTHONPATH="{dest}/site${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+    path = ":".join([str(dest / "site"), *pth_paths(dest / "site")])
+    env.write_text(f'export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
                    "# flashinfer is not staged: keep the sampler on its torch path\n"
                    "export VLLM_USE_FLASHINFER_SAMPLER=0\n")
     check = subprocess.run(["bash", "-c", f'source "{env}" && "{sys.executable}" - "{dest}/site"'],
@@ -106,10 +109,30 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def pth_paths(site: Path) -> list[str]:
+    """The folders the ``.pth`` files in `site` add to ``sys.path``. Python processes ``.pth``
+    files only in site directories, not in a ``pip --target`` folder on ``PYTHONPATH``, so
+    env.sh names them. nvidia-cutlass-dsl (vLLM 0.29.0's DeepSeek-V3.2 path imports its
+    ``cutlass``) adds ``nvidia_cutlass_dsl/dsl_packages`` from an ``import`` line, so the files
+    are processed as Python does it (``site.addsitedir``, in a child with `site` on
+    ``PYTHONPATH``) and the entries it added are read back. [] when there are none or the child
+    fails (its error is printed)."""
+    if not any(site.glob("*.pth")):
+        return []
+    code = ("import json, site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+            "print(json.dumps([p for p in sys.path if p not in before]))")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run([sys.executable, "-c", code, str(site)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"stage_host: the .pth files of {site} failed: {proc.stderr.strip()[-500:]}")
+        return []
+    return [p for p in json.loads(proc.stdout.strip().splitlines()[-1]) if p != str(site)]
+
+
 def _let_vllm_import_without_flash_attention(site: Path) -> None:
-    """The flash-attention binaries were left out to fit the transfers, and vLLM's package then
-    refuses to import; let it import, so that the engine picks another attention backend (pass
-    ``attention_backend="TRITON_ATTN"``)."""
+    """Where both flash-attention binaries are left out (the trimmed releases of the team's kit;
+    stage_release.py keeps FlashAttention 3), vLLM's package refuses to import; let it import,
+    so that the engine picks another attention backend (pass ``attention_backend="TRITON_ATTN"``)."""
     init = site / "vllm" / "vllm_flash_attn" / "__init__.py"
     if init.exists():
         text = init.read_text()

@@ -10,8 +10,8 @@ On a machine that reaches the package index, from the repository root:
     python3 bench/stage_release.py --vllm 0.29.0 --torch 2.13.0 --deps bench/stage/vllm-0.29.0.txt
 
 writes ``.gpu-stage/<tag>/chunk00`` ... ``chunkNN`` (keep ``.gpu-stage/`` out of git), each at
-most 45 MB: one slice of a single tar that holds vLLM's files (its wheel unpacked, without the
-flash-attention binaries the host cannot take), the wheels of torch, the Triton that torch
+most 45 MB: one slice of a single gzipped tar that holds vLLM's files (its wheel unpacked,
+without FlashAttention 2, which the H200 does not use), the wheels of torch, the Triton that torch
 requires and the packages named in ``--deps`` (what the release needs beyond the host's own
 packages), all for CPython 3.12 on manylinux x86_64. ``--wheel FILE`` adds a local wheel.
 Each chunk carries ``receive.sh`` and ``stage_host.py``.
@@ -20,7 +20,9 @@ On the host, run each chunk's ``receive.sh`` in order, back to back (an idle hos
 The last one checks the tar's sha256, unpacks it under ``/tmp/kwarm-gpu/<tag>/`` (``$STAGED``
 overrides ``/tmp/kwarm-gpu``), installs every wheel there with ``pip --no-deps --target``, and
 writes ``env.sh``, which puts the staged packages first on ``PYTHONPATH`` (the staged torch
-shadows the host's) and sets what the host lacks (no flashinfer sampler). It then prints what the
+shadows the host's), with the folders their ``.pth`` files name (``--target`` does not process
+them: nvidia-cutlass-dsl's ``cutlass`` lives in one), and sets what the host lacks (no
+flashinfer sampler). It then prints what the
 staged torch imports (versions, CUDA, one GEMM, one Triton compile) and every CUDA library
 torch's metadata asks for against the version the host has installed: torch loads the host's
 libraries by their sonames, so a mismatch there is what to read first when the import or a
@@ -40,11 +42,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CHUNK_BYTES = 45 * 1024 * 1024
 PYTHON = "3.12"  # the GPU host's Python
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 36)]  # glibc 2.17-2.35 (NCCL: 2_18)
 PLATFORMS += ["manylinux2014_x86_64", "manylinux1_x86_64"]
-# vLLM's files the host cannot take or use: the flash-attention kernels (too large to send;
-# the TRITON_ATTN backend stands in) and DeepGEMM builds for other Pythons than 3.12.
-SKIP_SUFFIXES = ("vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm_flash_attn/_vllm_fa3_C.abi3.so")
+# vLLM's files the host does not need: FlashAttention 2 (308 MB in 0.29.0; the H200 runs
+# FlashAttention 3, 153 MB, which is kept: 0.29.0's DeepSeek-V3.2 path calls it, and the
+# TRITON_ATTN backend stands in for both elsewhere) and DeepGEMM builds for other Pythons than 3.12.
+SKIP_SUFFIXES = ("vllm_flash_attn/_vllm_fa2_C.abi3.so",)
 OTHER_PYTHONS = ("cpython-310", "cpython-311", "cpython-313", "cpython-314")
 
 
@@ -102,8 +105,10 @@ def build(args, work: Path) -> Path:
     for wheel in wheels:
         shutil.copy(wheel, tree / "wheels" / wheel.name)
     shutil.copy(HERE / "stage_host.py", tree / "stage_host.py")
-    payload = work / "payload.tar"
-    with tarfile.open(payload, "w") as archive:  # wheels are compressed already
+    payload = work / "payload.tar.gz"
+    # gzip level 1: the wheels are compressed already, vLLM's unpacked binaries are not (FA3:
+    # 153 MB raw, 47 MB compressed)
+    with tarfile.open(payload, "w:gz", compresslevel=1) as archive:
         archive.add(tree, arcname=".")
     shutil.rmtree(tree)
     return payload
@@ -153,7 +158,7 @@ def tag_of(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm", help="vLLM release to stage (its wheel, unpacked, without flash-attention binaries)")
+    ap.add_argument("--vllm", help="vLLM release to stage (its wheel, unpacked, without FlashAttention 2)")
     ap.add_argument("--torch", help="torch release to stage with it, and the Triton it requires")
     ap.add_argument("--deps", help="file of pinned requirements the host lacks, one per line")
     ap.add_argument("--wheel", action="append", default=[], help="a local wheel to stage too (repeatable)")

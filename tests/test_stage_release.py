@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import zipfile
@@ -22,7 +23,12 @@ def _wheel(folder: Path) -> Path:
     """A real, minimal wheel: one module and its dist-info (METADATA, WHEEL, RECORD)."""
     path = folder / "kwarmstagetest-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("kwarmstagetest/__init__.py", "VALUE = 42\n" + "# padding\n" * 400)
+        archive.writestr("kwarmstagetest/__init__.py", "VALUE = 42\n")
+        archive.writestr("kwarmstagetest/padding.bin", random.Random(0).randbytes(12000))  # survives gzip
+        # a package behind a .pth import line, as nvidia-cutlass-dsl keeps its `cutlass`
+        archive.writestr("kwarmstagetest/extra/kwarmstageextra.py", "VALUE = 7\n")
+        archive.writestr("kwarmstagetest.pth", "import sys, os, kwarmstagetest; "
+                         "sys.path.insert(0, os.path.join(kwarmstagetest.__path__[0], 'extra'))\n")
         archive.writestr("kwarmstagetest-1.0.dist-info/METADATA",
                          "Metadata-Version: 2.1\nName: kwarmstagetest\nVersion: 1.0\nRequires-Dist: nvidia-nope==1.2\n")
         archive.writestr("kwarmstagetest-1.0.dist-info/WHEEL",
@@ -70,6 +76,10 @@ def test_receiving_every_chunk_in_order_installs_and_checks(staged, tmp_path):
                             '"import kwarmstagetest; print(kwarmstagetest.VALUE)"'],
                            capture_output=True, text=True, cwd=tmp_path)
     assert value.stdout.strip() == "42", "the staged folder comes first on PYTHONPATH"
+    extra = subprocess.run(["bash", "-c", f'source "{dest}/env.sh" && "{sys.executable}" -c '
+                            '"import kwarmstageextra; print(kwarmstageextra.VALUE)"'],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert extra.stdout.strip() == "7", f"the folder a .pth import line adds is on PYTHONPATH: {env}"
     report = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
     assert "torch" in report or "torch_error" in report, "the check says what torch imports"
     assert "cuda_libraries" in report
@@ -95,7 +105,8 @@ def test_requirement_of_a_wheel_and_nothing_to_stage(tmp_path, capsys):
     wheel = _wheel(tmp_path)
     assert stage_release.wheel_requires(wheel, "nvidia-nope") == "nvidia-nope==1.2"
     assert stage_release.wheel_requires(wheel, "nvidia") is None, "a whole name, not a prefix"
-    assert stage_release.keep("vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so") is False
+    assert stage_release.keep("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so") is False
+    assert stage_release.keep("vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so") is True, "the H200's FlashAttention"
     assert stage_release.keep("deep_gemm/_C.cpython-311-x86_64-linux-gnu.so") is False
     assert stage_release.keep("deep_gemm/_C.cpython-312-x86_64-linux-gnu.so") is True
     with pytest.raises(SystemExit):
