@@ -2,14 +2,20 @@
 Python files from .rel/) and a handler on the ``kwarm`` logger."""
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,8 +68,111 @@ def _child(argv: list, *, env: dict | None, release: str | None, timeout: float,
     # no `kernels` subpackage) instead of the installed one. (A script's own folder comes first
     # on its sys.path instead: tests/scenarios/ holds no package of that name.)
     cwd = cwd or tempfile.gettempdir()
+    if python is None and release is not None:
+        server = _FORK_SERVERS.get(env)
+        if server is not None:
+            return server.run(argv, env, cwd, timeout)
     return subprocess.run([python or sys.executable, *argv], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
+
+
+def _startup_env(env: dict) -> tuple:
+    """What of `env` a fresh interpreter can have read before running its code: everything but
+    kwarm's settings (read when kwarm_ext is imported, which the fork server never does) and
+    pytest's own variables. KWARM_ENABLE stays: it opens kwarm's .pth door at start-up."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k == "KWARM_ENABLE" or not k.startswith(("KWARM_", "PYTEST_"))))
+
+
+class ForkServer:
+    """One tests/forkserver.py process: a vLLM release imported once, each run a forked child.
+    Falls back to nothing (``run`` is never reached) when it could not start."""
+
+    def __init__(self, env: dict):
+        self.dir = tempfile.mkdtemp(prefix="kwfs")
+        self.path = os.path.join(self.dir, "s")
+        log = os.path.join(self.dir, "log")  # a file, not a pipe nobody reads
+        with open(log, "w") as stderr:
+            self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py"), self.path],
+                                         env=env, cwd=tempfile.gettempdir(), stdout=subprocess.PIPE,
+                                         stderr=stderr, text=True)
+        seen = []  # vLLM logs to stdout while the server imports it
+        for line in self.proc.stdout:
+            if line.strip() == "kwarm-forkserver-ready":
+                break
+            seen.append(line)
+        else:
+            self.proc.kill()
+            raise RuntimeError(f"fork server did not start: {''.join(seen)[-2000:]}{_read(log)[-3000:]}")
+
+    def run(self, argv: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+        args = [sys.executable, *argv]
+        with tempfile.TemporaryDirectory(prefix="kwfs-run") as tmp:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd), "stdout": out, "stderr": err}
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(timeout)
+                conn.connect(self.path)
+                conn.sendall(json.dumps(request).encode() + b"\n")
+                reader = conn.makefile("rb")
+                pid = json.loads(reader.readline())["pid"]
+                try:
+                    line = reader.readline()
+                except (socket.timeout, TimeoutError):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired(args, timeout, _read(out), _read(err)) from None
+            rc = json.loads(line)["rc"] if line else -signal.SIGKILL
+            return subprocess.CompletedProcess(args, rc, _read(out), _read(err))
+
+    def close(self):
+        self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+class _ForkServers:
+    """The fork servers of this pytest process, one per start-up environment of a release run
+    (``KWARM_TEST_FORKSERVER=0``: none, every run a fresh interpreter). Only an environment
+    without KWARM_ENABLE gets one: with it, kwarm's door runs at interpreter start."""
+
+    LIMIT = 6  # about 1 GB each: the five releases of MATRIX and one more environment
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._servers: dict = {}
+        self.enabled = os.environ.get("KWARM_TEST_FORKSERVER", "1") != "0"
+        atexit.register(self.close)
+
+    def get(self, env: dict) -> ForkServer | None:
+        if not self.enabled or env.get("KWARM_ENABLE"):
+            return None
+        key = _startup_env(env)
+        with self._lock:
+            if key not in self._servers:
+                if len(self._servers) >= self.LIMIT:
+                    return None
+                try:
+                    self._servers[key] = ForkServer(dict(key))
+                except Exception as exc:  # a fresh interpreter per run, as before
+                    print(f"conftest: {exc}", file=sys.stderr)
+                    self._servers[key] = None
+            return self._servers[key]
+
+    def close(self):
+        for server in self._servers.values():
+            if server is not None:
+                server.close()
+
+
+_FORK_SERVERS = _ForkServers()
 
 
 def marked_json(proc: subprocess.CompletedProcess, mark: str = "RESULT ") -> tuple:
