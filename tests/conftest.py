@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -70,8 +72,13 @@ def _child(argv: list, *, env: dict | None, release: str | None, timeout: float,
     cwd = cwd or tempfile.gettempdir()
     if python is None and release is not None:
         server = _FORK_SERVERS.get(env)
-        if server is not None:
-            return server.run(argv, env, cwd, timeout)
+        for _ in range(2):
+            if server is None:
+                break
+            try:
+                return server.run(argv, env, cwd, timeout)
+            except ServerGone:
+                server = _FORK_SERVERS.renew(env, server)
     return subprocess.run([python or sys.executable, *argv], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 
@@ -84,14 +91,20 @@ def _startup_env(env: dict) -> tuple:
                         if k == "KWARM_ENABLE" or not k.startswith(("KWARM_", "PYTEST_"))))
 
 
+class ServerGone(Exception):
+    """The fork server stopped (the pytest worker that started it ended)."""
+
+
 class ForkServer:
     """One tests/forkserver.py process: a vLLM release imported once, each run a forked child.
-    Falls back to nothing (``run`` is never reached) when it could not start."""
+    The pytest workers of one run share it: the first to need it starts it (``own``), under a
+    lock file, and the others connect to its socket."""
 
-    def __init__(self, env: dict):
-        self.dir = tempfile.mkdtemp(prefix="kwfs")
-        self.path = os.path.join(self.dir, "s")
-        log = os.path.join(self.dir, "log")  # a file, not a pipe nobody reads
+    def __init__(self, env: dict, path: str, own: bool):
+        self.path, self.proc = path, None
+        if not own:
+            return
+        log = path + ".log"  # a file, not a pipe nobody reads
         with open(log, "w") as stderr:
             self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "forkserver.py"), self.path],
                                          env=env, cwd=tempfile.gettempdir(), stdout=subprocess.PIPE,
@@ -105,6 +118,19 @@ class ForkServer:
             self.proc.kill()
             raise RuntimeError(f"fork server did not start: {''.join(seen)[-2000:]}{_read(log)[-3000:]}")
 
+    @classmethod
+    def shared(cls, env: dict, folder: Path) -> "ForkServer":
+        """The server for `env` in `folder` (this run's), started here if none answers there."""
+        name = hashlib.sha256(repr(sorted(env.items())).encode()).hexdigest()[:16]
+        path = str(folder / f"{name}.s")
+        with open(folder / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _answers(path):
+                return cls(env, path, own=False)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return cls(env, path, own=True)
+
     def run(self, argv: list, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
         args = [sys.executable, *argv]
         with tempfile.TemporaryDirectory(prefix="kwfs-run") as tmp:
@@ -112,10 +138,16 @@ class ForkServer:
             request = {"argv": [str(a) for a in argv], "env": env, "cwd": str(cwd), "stdout": out, "stderr": err}
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(timeout)
-                conn.connect(self.path)
+                try:
+                    conn.connect(self.path)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    raise ServerGone(self.path) from None
                 conn.sendall(json.dumps(request).encode() + b"\n")
                 reader = conn.makefile("rb")
-                pid = json.loads(reader.readline())["pid"]
+                started = reader.readline()
+                if not started:
+                    raise ServerGone(self.path)
+                pid = json.loads(started)["pid"]
                 try:
                     line = reader.readline()
                 except (socket.timeout, TimeoutError):
@@ -126,8 +158,20 @@ class ForkServer:
             return subprocess.CompletedProcess(args, rc, _read(out), _read(err))
 
     def close(self):
-        self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.proc is not None:
+            self.proc.kill()
+            for leftover in (self.path, self.path + ".log"):  # the lock files stay: other workers may hold them
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+            return True
+        except OSError:
+            return False
 
 
 def _read(path: str) -> str:
@@ -139,8 +183,9 @@ def _read(path: str) -> str:
 
 
 class _ForkServers:
-    """The fork servers of this pytest process, one per start-up environment of a release run
-    (``KWARM_TEST_FORKSERVER=0``: none, every run a fresh interpreter). Only an environment
+    """The fork servers this pytest process uses, one per start-up environment of a release run,
+    shared with the run's other workers (``KWARM_TEST_FORKSERVER=0``: none, every run a fresh
+    interpreter). Only an environment
     without KWARM_ENABLE gets one: with it, kwarm's door runs at interpreter start."""
 
     LIMIT = 6  # about 1 GB each: the five releases of MATRIX and one more environment
@@ -149,27 +194,46 @@ class _ForkServers:
         self._lock = threading.Lock()
         self._servers: dict = {}
         self.enabled = os.environ.get("KWARM_TEST_FORKSERVER", "1") != "0"
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"p{os.getpid()}")[:16]  # one per pytest run
+        self.folder = Path(tempfile.gettempdir()) / f"kwfs-{run}"
         atexit.register(self.close)
 
     def get(self, env: dict) -> ForkServer | None:
         if not self.enabled or env.get("KWARM_ENABLE"):
             return None
         key = _startup_env(env)
-        with self._lock:
-            if key not in self._servers:
+        with self._lock:  # held briefly: servers of different releases start side by side
+            slot = self._servers.get(key)
+            if slot is None:
                 if len(self._servers) >= self.LIMIT:
                     return None
-                try:
-                    self._servers[key] = ForkServer(dict(key))
-                except Exception as exc:  # a fresh interpreter per run, as before
-                    print(f"conftest: {exc}", file=sys.stderr)
-                    self._servers[key] = None
-            return self._servers[key]
+                slot = self._servers[key] = {"lock": threading.Lock(), "server": None, "tried": False}
+        with slot["lock"]:  # the runs that need this server wait for its start
+            if not slot["tried"]:
+                slot["tried"] = True
+                slot["server"] = self._open(key)
+            return slot["server"]
+
+    def renew(self, env: dict, gone: ForkServer) -> ForkServer | None:
+        """Another server for `env`, where `gone` stopped answering (its worker ended)."""
+        slot = self._servers[_startup_env(env)]
+        with slot["lock"]:
+            if slot["server"] is gone:
+                slot["server"] = self._open(_startup_env(env))
+            return slot["server"]
+
+    def _open(self, key: tuple) -> ForkServer | None:
+        try:
+            self.folder.mkdir(exist_ok=True)
+            return ForkServer.shared(dict(key), self.folder)
+        except Exception as exc:  # a fresh interpreter per run, as before
+            print(f"conftest: {exc}", file=sys.stderr)
+            return None
 
     def close(self):
-        for server in self._servers.values():
-            if server is not None:
-                server.close()
+        for slot in self._servers.values():
+            if slot["server"] is not None:
+                slot["server"].close()
 
 
 _FORK_SERVERS = _ForkServers()

@@ -87,7 +87,10 @@ def supervise(conn: socket.socket, listener: socket.socket) -> None:
     """In the per-connection supervisor: fork the run, report its pid and then its status."""
     listener.close()
     with conn, conn.makefile("rb") as reader:
-        request = json.loads(reader.readline())
+        line = reader.readline()
+        if not line:  # a client checking that the server answers
+            return
+        request = json.loads(line)
         pid = os.fork()
         if pid == 0:
             conn.close()

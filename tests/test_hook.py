@@ -6,7 +6,7 @@ import json
 import pytest
 import wrapt
 
-from conftest import MATRIX, clean_env, run_py
+from conftest import MATRIX, clean_env, cpu_triton_env, run_py
 
 gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
 
@@ -114,13 +114,19 @@ def test_activation_wraps_whether_gpu_worker_is_imported_before_or_after(order):
 
 @pytest.mark.parametrize("release", [v for v in MATRIX if v != "0.24.0"] + ["0.33.0"])
 def test_hook_target_exists_and_wraps_in_each_release(release):
+    """kwarm's patches on each release's real worker module, activated through the API (the
+    .pth door itself: tests/test_doors.py), so that the run forks from the release's fork server."""
     code = """
-    import json, vllm, vllm.v1.worker.gpu_worker as g
+    import json, os
+    os.environ["KWARM_ENABLE"] = "1"
+    import kwarm_ext
+    assert kwarm_ext.activate("api")
+    import vllm, vllm.v1.worker.gpu_worker as g
     from kwarm_ext import patches
     print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g),
                       "after_capture": patches.is_after_capture_patched(g)}))
     """
-    proc = run_py(code, env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""), release=release)
+    proc = run_py(code, env=cpu_triton_env(), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True,
                                                                  "after_capture": True}
