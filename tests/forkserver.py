@@ -9,7 +9,8 @@ the child gets the environment, ``sys.argv``, ``sys.path[0]`` and working folder
 interpreter would have had. :func:`conftest._child` uses it only where that holds (see
 ``conftest.forkable``); everything else, the door tests first, still starts a real interpreter.
 
-Server (started by conftest, one per vLLM release and pytest worker, never by hand):
+Server (started by conftest, one per vLLM release and pytest run, shared by its workers, never
+by hand):
 ``python forkserver.py SOCKET``; it imports :data:`PRELOAD`, listens on the Unix socket and,
 for each connection, forks a supervisor that forks the run and reports on the connection:
 ``{"pid": N}`` once the run started, then ``{"rc": status}`` when it ended (a negative status: the
