@@ -6,18 +6,18 @@ and a vLLM release (12-15 s on CPU) before running a scenario that takes a few s
 forked child starts with those modules loaded and nothing else: kwarm is not imported in the
 server, its ``.pth`` door did not fire (the server's environment has no ``KWARM_ENABLE``), and
 the child gets the environment, ``sys.argv``, ``sys.path[0]`` and working folder the fresh
-interpreter would have had. :func:`conftest._child` uses it only where that holds (see
-``conftest.forkable``); everything else, the door tests first, still starts a real interpreter.
+interpreter would have had. :func:`conftest._child` uses it for release runs only where that
+holds (``conftest._ForkServers.get``: the same start-up environment, no ``KWARM_ENABLE``);
+everything else, the door tests first, still starts a real interpreter.
 
 Server (started by conftest, one per vLLM release and pytest run, shared by its workers, never
-by hand):
-``python forkserver.py SOCKET``; it imports :data:`PRELOAD`, listens on the Unix socket and,
+by hand): ``python forkserver.py SOCKET``; it imports :data:`PRELOAD`, listens on the Unix socket and,
 for each connection, forks a supervisor that forks the run and reports on the connection:
 ``{"pid": N}`` once the run started, then ``{"rc": status}`` when it ended (a negative status: the
 signal that ended it). The request is one JSON line: ``{"argv", "env", "cwd", "stdout",
 "stderr"}`` (argv as ``python`` takes it after the interpreter: a script and its arguments, or
 ``-c CODE``; stdout and stderr: files the run writes to). The server exits when its parent (the
-pytest worker) is gone.
+pytest worker that started it) is gone; runs already forked finish.
 """
 from __future__ import annotations
 
