@@ -42,9 +42,6 @@ with zipfile.ZipFile(glob.glob(f"{dest}/.whl/vllm-*.whl")[0]) as zf:
     zf.extractall(dest, [n for n in zf.namelist() if n.endswith((".py", ".json")) or ".dist-info/" in n])
 PY
   rm -rf "$dest/.whl"
-  # Bytecode now, as pip compiles what it installs (else the first import of each release in
-  # pytest compiles its ~2000 modules)
-  "$VENV/bin/python" -m compileall -q -j 0 "$dest" >/dev/null || true
   # Extra modules an import of this release asks for beyond 0.24.0's dependencies.
   case "$ver" in
     0.33.*) pip_ install -q --no-deps --target "$dest" "humming-kernels==0.1.19" ;;
