@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +20,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+import forkserver  # tests/forkserver.py: its READY line
 
 REPO = Path(__file__).resolve().parent.parent
 RELEASES_DIR = REPO / ".rel"
@@ -111,7 +112,7 @@ class ForkServer:
                                          stderr=stderr, text=True)
         seen = []  # vLLM logs to stdout while the server imports it
         for line in self.proc.stdout:
-            if line.strip() == "kwarm-forkserver-ready":
+            if line.strip() == forkserver.READY:
                 break
             seen.append(line)
         else:
