@@ -2,8 +2,9 @@
 wrapper, releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
 Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6 (documented at
 ``triton_compat._wrap_serialize_specialization_data``, defined beside what it wraps). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
-warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (what must follow
-CUDA-graph capture, documented at :func:`_wrap_compile_or_warm_up_model`) and
+warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
+before vLLM's warmups, and what must follow CUDA-graph capture, documented at
+:func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
 :func:`_wrap_input_processor_init`).
 
@@ -118,9 +119,22 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
 
 
 def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
-    """Run vLLM's ``Worker.compile_or_warm_up_model``, then kwarm's after-capture steps.
+    """Set torch's serving thread count, run vLLM's ``Worker.compile_or_warm_up_model``, then
+    kwarm's after-capture steps.
 
-    Why: ``capture_model`` empties torch's caching allocator (``empty_cache()``) after
+    Why the thread count first: vLLM 0.28-0.32 call ``set_torch_threads_for_runtime()`` (torch
+    intra-op threads down to 1 for serving, unless ``OMP_NUM_THREADS`` is set) at the *end* of
+    ``compile_or_warm_up_model``, after every warmup. Dynamo guards each ``torch.compile``'d
+    function on its global state, ``torch.get_num_threads()`` included, so every function
+    compiled during start-up (the ``compile_native`` forwards of disabled custom ops such as
+    ``SiluAndMul``, the MoE router's ``grouped_topk``) is traced and compiled again on the first
+    request: ``GLOBAL_STATE changed: num_threads`` with ``TORCH_LOGS=recompiles``, request 0 at
+    4-16x its repeat with no Triton compile (vLLM 0.29.0, both published-dimension bench models;
+    BENCHMARKS.md). vLLM 0.33 moved the call to ``load_model`` for this reason; calling it here
+    again is a no-op there, and releases before 0.28 have no such function. It can go when kwarm
+    drops 0.28-0.32.
+
+    Why after: ``capture_model`` empties torch's caching allocator (``empty_cache()``) after
     kwarm's warmup (the ``kernel_warmup`` hook runs before capture), so the first request
     starts a new small-pool segment with ``cudaMalloc`` and its repeat does not (both tiny
     models, vLLM 0.24.0, the engine benchmark's allocator counters; see kernels/caching_allocator.py,
@@ -129,12 +143,34 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     runner (V1 or V2) and whether or not it captures. It can go when vLLM stops emptying the
     allocator after capture, or offers a hook after it.
     """
+    with fail_open("could not set torch's serving thread count before warmup, "
+                   "functions torch.compile'd at start-up may compile again on the first request"):
+        serving_threads_first()
     result = wrapped(*args, **kwargs)
     with fail_open("after-capture steps failed, the engine starts without them"):
         from kwarm_ext import warmup
 
         warmup.after_capture(instance)
     return result
+
+
+def serving_threads_first() -> bool:
+    """Apply vLLM's ``set_torch_threads_for_runtime`` now, before the warmups (see
+    :func:`_wrap_compile_or_warm_up_model`); returns whether it changed torch's thread count."""
+    from kwarm_ext import vllm_compat
+
+    set_threads = vllm_compat.resolve_or_none("vllm.utils.torch_utils:set_torch_threads_for_runtime")
+    if set_threads is None:  # before 0.28: vLLM never changes the count after start-up
+        return False
+    import torch
+
+    before = torch.get_num_threads()
+    set_threads()
+    after = torch.get_num_threads()
+    if after != before:
+        logger.info("kwarm: torch threads %d -> %d (serving's count) before vLLM's warmups, so that "
+                    "what they torch.compile is not compiled again on the first request", before, after)
+    return after != before
 
 
 def _wrap_input_processor_init(wrapped, instance, args, kwargs):
@@ -158,7 +194,8 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
-                      "kwarm's after-capture steps will not run", owner="Worker")
+                      "kwarm's after-capture steps will not run, and on vLLM 0.28-0.32 what start-up "
+                      "torch.compiles is compiled again on the first request", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
 PATCHES = (SERIALIZER, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

@@ -206,3 +206,60 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
     assert {e.target for e in patches.PATCHES} == {
         "triton.runtime.jit.serialize_specialization_data", "vllm.v1.worker.gpu_worker.kernel_warmup", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
         "vllm.v1.engine.input_processor.InputProcessor.__init__"}
+
+
+SERVING_THREADS = """
+import json, os, types
+os.environ.pop("OMP_NUM_THREADS", None)
+import torch
+from torch._dynamo.utils import counters
+from vllm.utils import torch_utils
+from kwarm_ext import patches, warmup
+
+set_threads = getattr(torch_utils, "set_torch_threads_for_runtime", None)  # 0.28+
+warmup.after_capture = lambda worker: None  # kwarm's after-capture families need a GPU worker
+
+
+def first_request_compiles(patched):
+    torch._dynamo.reset()
+    torch.set_num_threads(2)  # start-up's count: vLLM's parallel weight loading and warmups
+
+    @torch.compile(dynamic=True, backend="eager")  # as vLLM's compile_native custom-op forwards
+    def forward_native(x):
+        return torch.nn.functional.silu(x) * 2
+
+    def compile_or_warm_up_model(self):  # the order of vLLM 0.28-0.32's real method
+        forward_native(torch.ones(4))     # warmups compile it
+        if set_threads is not None:
+            set_threads()                 # then serving's thread count
+        return "compilation times"
+
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"compile_or_warm_up_model": compile_or_warm_up_model})
+    if patched:
+        assert patches.patch_after_capture(module)
+    assert module.Worker().compile_or_warm_up_model() == "compilation times"
+    before = counters["stats"]["unique_graphs"]
+    forward_native(torch.ones(5))         # the first request
+    return {"compiled": counters["stats"]["unique_graphs"] - before, "threads": torch.get_num_threads()}
+
+
+print(json.dumps({"has": set_threads is not None, "vllm": first_request_compiles(False),
+                  "kwarm": first_request_compiles(True)}))
+"""
+
+
+@pytest.mark.parametrize("release", ["0.24.0", "0.28.0", "0.33.0"])
+def test_startup_compiles_stay_valid_for_the_first_request(release):
+    """vLLM 0.28-0.32 lower torch's thread count for serving after the warmups: Dynamo's guard on
+    it recompiles every function torch.compile'd at start-up on the first request (measured on
+    vLLM 0.29.0, BENCHMARKS.md). With kwarm's compile_or_warm_up_model wrapper the count is
+    serving's before the warmups, so nothing compiles again. vLLM's real set_torch_threads_for_runtime,
+    torch's real Dynamo; the worker method is a stand-in with 0.28-0.32's order."""
+    proc = run_py(SERVING_THREADS, env=clean_env(CUDA_VISIBLE_DEVICES=""), release=release)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if release == "0.24.0":  # no such function: vLLM keeps start-up's count, nothing to do
+        assert result == {"has": False, "vllm": {"compiled": 0, "threads": 2}, "kwarm": {"compiled": 0, "threads": 2}}
+    else:
+        assert result == {"has": True, "vllm": {"compiled": 1, "threads": 1}, "kwarm": {"compiled": 0, "threads": 1}}
