@@ -102,8 +102,10 @@ def main(argv: list[str]) -> int:
     env.write_text(f'export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
                    "# flashinfer is not staged: keep the sampler on its torch path\n"
                    "export VLLM_USE_FLASHINFER_SAMPLER=0\n")
-    check = subprocess.run(["bash", "-c", f'source "{env}" && "{sys.executable}" - "{dest}/site"'],
-                           input=CHECK, capture_output=True, text=True)
+    script = dest / "check.py"  # a file, not stdin: triton.jit reads its kernel's source from one
+    script.write_text(CHECK)
+    check = subprocess.run(["bash", "-c", f'source "{env}" && "{sys.executable}" "{script}" "{dest}/site"'],
+                           capture_output=True, text=True)
     print(check.stdout.strip() or check.stderr[-3000:])
     print(f"ready: source {env}")
     return 0
