@@ -61,6 +61,12 @@ def hook_target() -> dict:
         out["patched"] = is_patched(module)
         out["after_capture"].update(found=after_capture_class(module) is not None,
                                     patched=is_after_capture_patched(module))
+        from kwarm_ext import vllm_compat
+
+        # vLLM 0.28+ lowers torch's thread count for serving; kwarm's wrapper applies it before
+        # the warmups (kwarm_ext/patches.py says why)
+        out["after_capture"]["serving_threads"] = vllm_compat.has(
+            "vllm.utils.torch_utils:set_torch_threads_for_runtime")
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["import_s"] = round(time.perf_counter() - t0, 2)
@@ -178,6 +184,10 @@ def render(r: dict) -> str:
         a = h["after_capture"]
         lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "
                      f"patched={yes(a['patched'])}")
+        if "serving_threads" in a:
+            lines.append("  serving thread count: " + (
+                "vLLM sets it (set_torch_threads_for_runtime); kwarm applies it before vLLM's warmups"
+                if a["serving_threads"] else "vLLM keeps start-up's torch thread count: nothing to do"))
     lines += ["", "upstream warmups in this vLLM:"]
     for name, u in r["upstream_warmups"].items():
         if name == "error":

@@ -27,7 +27,7 @@ def test_doctor_reports_installed_doors_and_hook_target():
     assert r["doors"]["kwarm run (sitecustomize)"]["would_fire"] is False  # not under `kwarm run`
     assert r["hook_target"]["found"] is True and r["hook_target"]["patched"] is True
     assert r["hook_target"]["after_capture"] == {"attribute": "Worker.compile_or_warm_up_model",
-                                                 "found": True, "patched": True}
+                                                 "found": True, "patched": True, "serving_threads": False}
     assert not any(u["present"] for u in r["upstream_warmups"].values())  # 0.24 has none of them
     assert r["families"]["qwen_gdn"]["forced"] and not r["families"]["runner"]["selected"]
     assert r["config"]["KWARM_WARMUPS"] == "qwen_gdn,-runner"
@@ -54,6 +54,8 @@ def test_doctor_finds_upstream_warmups_per_release(release, present):
     assert r["versions"]["vllm"] is not None
     assert r["hook_target"]["found"] is True and r["hook_target"]["after_capture"]["found"] is True
     assert {n for n, u in r["upstream_warmups"].items() if u["present"]} == present
+    # vLLM 0.28+ lowers torch's thread count for serving (kwarm applies it before the warmups)
+    assert r["hook_target"]["after_capture"]["serving_threads"] is (release >= "0.28.0")
 
 
 def test_doctor_text_and_help():
