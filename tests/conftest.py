@@ -40,9 +40,20 @@ def release_path(version: str) -> Path | None:
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KWARM_")}
+    env = {k: v for k, v in _environ().items() if not k.startswith("KWARM_")}
     env.update({k: v for k, v in extra.items() if v is not None})
     return env
+
+
+def _environ() -> dict:
+    """A copy of os.environ. PerRelease's threads read it while pytest's main thread sets and
+    deletes PYTEST_CURRENT_TEST, and iterating os.environ then can fail (KeyError, or a dict
+    changed size): try again."""
+    while True:
+        try:
+            return dict(os.environ)
+        except (KeyError, RuntimeError):
+            continue
 
 
 def run_py(code: str, *, env: dict | None = None, release: str | None = None, args=(),
