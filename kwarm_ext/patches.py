@@ -129,7 +129,7 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     compiled during start-up (the ``compile_native`` forwards of disabled custom ops such as
     ``SiluAndMul``, the MoE router's ``grouped_topk``) is traced and compiled again on the first
     request: ``GLOBAL_STATE changed: num_threads`` with ``TORCH_LOGS=recompiles``, request 0 at
-    4-16x its repeat with no Triton compile (vLLM 0.29.0, both published-dimension bench models;
+    3.4-15x its repeat with no Triton compile (vLLM 0.29.0, both published-dimension bench models;
     BENCHMARKS.md). vLLM 0.33 moved the call to ``load_model`` for this reason; calling it here
     again is a no-op there, and releases before 0.28 have no such function. It can go when kwarm
     drops 0.28-0.32.
