@@ -1,7 +1,9 @@
 """The front-end warmup against the real ``InputProcessor`` class and vLLM's real
 logits-processor plugin loader (``cached_load_custom_logitsprocs``, an ``lru_cache``).
 
-Each case runs in a fresh interpreter, so that the cache starts empty. Building a real
+Each case runs in a fresh process, so that the cache starts empty: a child forked from the
+0.24.0 fork server (tests/forkserver.py: vLLM imported, no plugin loaded), where the scenario
+activates kwarm through its API (the .pth door itself: tests/test_doors.py). Building a real
 ``InputProcessor`` needs an engine's ``VllmConfig`` (a model, a device): the wrapped
 ``__init__`` is called with a stand-in for the original, on an object carrying only the
 ``model_config.logits_processors`` the warmup reads.
@@ -10,16 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import clean_env, result_of, run_scenario
+from conftest import cpu_triton_env, result_of, run_scenario
 
 
 def _run(procs=None, **env):
-    """tests/scenarios/frontend.py with the model's `procs` (logits_processors)."""
-    return result_of(run_scenario("frontend", procs, env=clean_env(CUDA_VISIBLE_DEVICES="", **env), timeout=240))
+    """tests/scenarios/frontend.py with the model's `procs` (logits_processors), kwarm enabled."""
+    return result_of(run_scenario("frontend", procs, env=cpu_triton_env(**env), release="0.24.0", timeout=240))
 
 
 def test_plugins_load_at_init_and_the_first_request_hits_the_cache():
-    r = _run(KWARM_ENABLE="1")
+    r = _run()
     assert r["patched"][1] is False and r["wrapped_ok"], "wrapped once (activation may have done it already)"
     assert r["inits"] == 1, "vLLM's own __init__ runs first"
     assert r["after_warm"]["misses"] == 1 and r["after_warm"]["currsize"] == 1
@@ -29,14 +31,14 @@ def test_plugins_load_at_init_and_the_first_request_hits_the_cache():
 
 
 def test_warmups_without_frontend_load_nothing():
-    r = _run(KWARM_ENABLE="1", KWARM_WARMUPS="*,-frontend")
+    r = _run(KWARM_WARMUPS="*,-frontend")
     assert r["inits"] == 1
     assert r["after_warm"]["currsize"] == 0
 
 
 @pytest.mark.parametrize("strict", ["0", "1"])
 def test_a_plugin_that_fails_to_load_is_one_warning(strict):
-    r = _run(["kwarm_no_such_module.Processor"], KWARM_ENABLE="1", KWARM_STRICT=strict)
+    r = _run(["kwarm_no_such_module.Processor"], KWARM_STRICT=strict)
     assert r["inits"] == 1
     if strict == "1":
         assert r["raised"] is not None

@@ -1,4 +1,4 @@
-"""Scenario of tests/test_frontend.py, run in a fresh interpreter (``run_scenario``).
+"""Scenario of tests/test_frontend.py, run in a fresh process (``run_scenario``).
 
 Argument: the model's ``logits_processors`` as JSON (``null`` for none). Prints one ``RESULT``
 line of JSON: whether the patch applied (twice), whether vLLM's ``__init__`` is wrapped once,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from types import SimpleNamespace
 
@@ -17,10 +18,15 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import input_processor as module
 from vllm.v1.sample import logits_processor as lp
 
+import kwarm_ext
 from kwarm_ext import patches
 
 
 def main(argv: list[str]) -> None:
+    # kwarm enabled and activated as the .pth door would at start-up (the door itself:
+    # tests/test_doors.py), here after the fork server's imports
+    os.environ["KWARM_ENABLE"] = "1"
+    kwarm_ext.activate("api")
     procs = json.loads(argv[0])
     logs = []
     handler = logging.Handler()
