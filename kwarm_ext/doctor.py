@@ -62,11 +62,10 @@ def hook_target() -> dict:
         out["after_capture"].update(found=after_capture_class(module) is not None,
                                     patched=is_after_capture_patched(module))
         from kwarm_ext import vllm_compat
+        from kwarm_ext.patches import SERVING_THREADS
 
-        # vLLM 0.28+ lowers torch's thread count for serving; kwarm's wrapper applies it before
-        # the warmups (kwarm_ext/patches.py says why)
-        out["after_capture"]["serving_threads"] = vllm_compat.has(
-            "vllm.utils.torch_utils:set_torch_threads_for_runtime")
+        # kwarm's wrapper applies vLLM's serving thread count before the warmups (patches.py says why)
+        out["after_capture"]["serving_threads"] = vllm_compat.has(SERVING_THREADS)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["import_s"] = round(time.perf_counter() - t0, 2)

@@ -44,6 +44,8 @@ TARGET_MODULE = "vllm.v1.worker.gpu_worker"
 TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
+# vLLM 0.28+: lowers torch's thread count for serving (see _wrap_compile_or_warm_up_model)
+SERVING_THREADS = "vllm.utils.torch_utils:set_torch_threads_for_runtime"
 
 
 _installed = False
@@ -159,7 +161,7 @@ def serving_threads_first() -> bool:
     :func:`_wrap_compile_or_warm_up_model`); returns whether it changed torch's thread count."""
     from kwarm_ext import vllm_compat
 
-    set_threads = vllm_compat.resolve_or_none("vllm.utils.torch_utils:set_torch_threads_for_runtime")
+    set_threads = vllm_compat.resolve_or_none(SERVING_THREADS)
     if set_threads is None:  # before 0.28: vLLM never changes the count after start-up
         return False
     import torch
