@@ -516,6 +516,16 @@ def deepgemm_dir(vllm_cache_root: str) -> str:
     return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(vllm_cache_root, "deep_gemm")
 
 
+def deepgemm_names(entries) -> dict:
+    """{kernel name: count} of DeepGEMM cache entries (``.../kernel.<name>.<hash>``), e.g.
+    ``sm90_fp8_gemm_1d2d`` (fp8_gemm_nt) or ``sm90_m_grouped_fp8_gemm_contiguous_1d2d``."""
+    names: dict = {}
+    for entry in entries:
+        name = os.path.basename(entry).split(".")[1]
+        names[name] = names.get(name, 0) + 1
+    return dict(sorted(names.items()))
+
+
 def deepgemm_entries(root: str) -> set[str]:
     """DeepGEMM's compiled kernels: directories named kernel.<name>.<hash> anywhere below root."""
     found = set()
@@ -837,7 +847,8 @@ def main(argv=None) -> int:
         kwarm_state.update(active=activation.is_active(), doors=list(activation.SOURCES))
     cache["triton_dir_after_init"] = os.environ.get("TRITON_CACHE_DIR")
     cache["deepgemm_dir"] = deepgemm_dir(cache["vllm_cache_root"])
-    dg_init_new = len(deepgemm_entries(cache["deepgemm_dir"]) - dg_before_init)
+    dg_init_entries = deepgemm_entries(cache["deepgemm_dir"]) - dg_before_init
+    dg_init_new = len(dg_init_entries)
 
     report = None
     report_path = os.environ.get("KWARM_REPORT") if args.kwarm == "on" else None
@@ -861,7 +872,7 @@ def main(argv=None) -> int:
         "kwarm_warmup_s_ranks": rank_warmups(report_path, args.tensor_parallel_size),
         "kwarm_family_s": table.family_seconds(report),
         "init_jit": len(init_counter.events), "init_kernels": _count_names(init_counter.events),
-        "deepgemm_init_new": dg_init_new,
+        "deepgemm_init_new": dg_init_new, "deepgemm_init_kernels": deepgemm_names(dg_init_entries),
         "jit_monitor_active": _jit_monitor_active(),
         "kwarm_report_path": report_path,
         "kwarm_report_summary": table.summarize_report(report),
@@ -935,7 +946,8 @@ def main(argv=None) -> int:
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
-                             "deepgemm_new": len(deepgemm_entries(dg_dir) - dg0), "gc": gc_passes, "cpu": cpu, "host": host_delta,
+                             "deepgemm_new": len(dg_new := deepgemm_entries(dg_dir) - dg0),
+                             "deepgemm_kernels": deepgemm_names(dg_new), "gc": gc_passes, "cpu": cpu, "host": host_delta,
                              "alloc": alloc, **extra})
             if profile is not None:
                 requests[-1].update(profiled=True, profile=profile)

@@ -11,8 +11,18 @@ are independent of each other, and DeepGEMM keeps each one in ``DG_JIT_CACHE_DIR
 processes share: a kernel another process compiled is loaded, not compiled again.
 
 How: this family runs *ahead* of vLLM's ``kernel_warmup`` (``ahead=True`` in the table). It
-takes vLLM's own list of weights and token counts (the module filters and count lists of
-``deep_gemm_warmup``), probes one call, and when that call compiled (the cache is cold), spreads
+derives what requests can run on DeepGEMM from vLLM's own code, not from a list of its own:
+- the weights: those vLLM's warmup filter takes and those whose layer vLLM runs on DeepGEMM
+  although the filter leaves them out (:func:`runs_on_deep_gemm`: N a multiple of 64, not of
+  128, as MLA's fused q/kv down-projection; their kernels compiled in requests, 4 in the FP8
+  scenario of BENCHMARKS.md);
+- linear layers' token counts: vLLM's own list (``relax``: every block-M multiple and wave
+  boundary). DeepGEMM 2.5-2.6 (vLLM 0.24-0.29) compile N and K into a kernel, not M, and no
+  longer size the SM count per M, so the list reaches each kernel a count up to
+  ``max_num_batched_tokens`` selects (checked on the H200 for every M of two weights);
+- MoE layers: every grouped layout a batch can produce (:func:`grouped_layouts`), where vLLM's
+  list samples half of them.
+It probes one call, and when that call compiled (the cache is cold), spreads
 the weights, and slices of the longest lists, over child processes, one per core of this
 rank (:func:`assign`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
 the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
@@ -82,15 +92,15 @@ def plan(view, forced) -> list:
 
 
 def gemm_jobs(model, max_tokens: int) -> list:
-    """What vLLM's DeepGEMM warmup will run, with vLLM's own filters and lists: one job per
-    distinct weight, ``{"kind": "linear"|"grouped", "w", "ws", "counts": [(m, align,
+    """What the requests can run on DeepGEMM, from vLLM's own filters, kernel choice and lists:
+    one job per distinct weight, ``{"kind": "linear"|"grouped", "w", "ws", "counts": [(m, align,
     expert_ids)]}`` (``align`` and ``expert_ids`` are None for linear layers). Weights vLLM's
     warmup already ran in this process are left out, as it leaves them out."""
     w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
     jobs, seen = [], set(getattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", ()))
     seen_grouped = set(getattr(w_mod, "GROUPED_FP8_GEMM_NT_CONTIGUOUS_WARMUP_CACHE", ()))
     for module in model.modules():
-        if w_mod._fp8_linear_may_use_deep_gemm(module):
+        if w_mod._fp8_linear_may_use_deep_gemm(module) or runs_on_deep_gemm(module):
             w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
             if w.size() in seen:
                 continue
@@ -99,12 +109,71 @@ def gemm_jobs(model, max_tokens: int) -> list:
             jobs.append({"kind": "linear", "w": w, "ws": ws, "counts": counts})
         elif w_mod._fused_moe_grouped_gemm_may_use_deep_gemm(module):
             w13, w13_s, w2, w2_s, top_k = w_mod._extract_data_from_fused_moe_module(module)
+            if w13.size() in seen_grouped and w2.size() in seen_grouped:
+                continue
+            # what requests reach, and what vLLM's warmup will run after this family (its list
+            # has layouts of batches that go to the Triton fallback): all of it compiled here
             _, _, cases = w_mod._get_grouped_gemm_params(w13, w2, top_k, max_tokens)
+            layouts = sorted({(m, align, None) for m, align, _ in cases}
+                             | set(grouped_layouts(module, w13, w2, top_k, max_tokens)))
             for w, ws in ((w13, w13_s), (w2, w2_s)):
-                if cases and w.size() not in seen_grouped:
+                if layouts and w.size() not in seen_grouped:
                     seen_grouped.add(w.size())
-                    jobs.append({"kind": "grouped", "w": w, "ws": ws, "counts": list(cases)})
+                    jobs.append({"kind": "grouped", "w": w, "ws": ws, "counts": layouts})
     return jobs
+
+
+def runs_on_deep_gemm(module) -> bool:
+    """Whether vLLM chose DeepGEMM for this linear layer (its ``fp8_linear`` kernel, or that
+    kernel's fallback for larger batches, is ``DeepGemmFp8BlockScaledMMKernel``), which vLLM's
+    warmup filter does not ask: it takes only weights whose N is a multiple of 128, while the
+    kernel runs every N that is a multiple of 64 (``should_use_deepgemm_for_fp8_linear``), so
+    MLA's fused q/kv down-projection (N = 2112 on DeepSeek-V3.2, 2624 on GLM-5) compiled its
+    kernels in requests (vLLM 0.24-0.33)."""
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    return any(getattr(k, "__name__", "") == "DeepGemmFp8BlockScaledMMKernel"
+               for k in (*type(kernel).__mro__, *type(getattr(kernel, "fallback", None)).__mro__))
+
+
+def grouped_layouts(module, w13, w2, top_k: int, max_tokens: int) -> list:
+    """Every ``(M_sum, alignment, None)`` a MoE layer's grouped GEMM can be called with, from
+    vLLM's own code: a batch of M tokens is permuted into ``M_sum`` rows, each expert's rows
+    padded to the alignment (``compute_aligned_M_and_alignment``, with no per-expert counts on
+    the CPU, as the non-EP path calls it), for every M that takes DeepGEMM's path: M up to the
+    tokens of one MoE call (DP ranks x ``max_num_batched_tokens``, as vLLM's warmup assumes),
+    from the alignment up where the experts fall back to Triton below it
+    (``TritonOrDeepGemmExperts``, vLLM's own ``_valid_deep_gemm_shape``).
+    DeepGEMM picks the kernel (block N, multicast, stages) from ``M_sum``'s waves, so each
+    layout is a call: those sharing a kernel load it from the cache."""
+    from vllm.model_executor.layers.fused_moe import deep_gemm_utils
+    from vllm.utils.deep_gemm import get_mk_alignment_for_contiguous_layout
+
+    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
+    tokens = max_tokens * w_mod.get_dp_group().world_size
+    block_m = get_mk_alignment_for_contiguous_layout()[0]
+    takes = _deep_gemm_takes(module)
+    _, k, n = w2.size()
+    layouts = {}
+    for m in range(1, tokens + 1):
+        if takes is not None and not takes(m, n, k):
+            continue
+        m_sum, align = deep_gemm_utils.compute_aligned_M_and_alignment(
+            M=m, num_topk=top_k, local_num_experts=w13.size(0), alignment=block_m, expert_tokens_meta=None)
+        layouts[(m_sum, align)] = None
+    return [(m_sum, align, None) for m_sum, align in sorted(layouts)]
+
+
+def _deep_gemm_takes(module):
+    """vLLM's test of whether M tokens go to DeepGEMM rather than the Triton fallback, where the
+    layer's experts have one (``TritonOrDeepGemmExperts`` calls ``_valid_deep_gemm_shape(M, N,
+    K)``; on GPUs with E8M0 scales everything goes to DeepGEMM); None: every M does."""
+    experts = getattr(getattr(module.quant_method, "fused_experts", None), "fused_experts", None)
+    if experts is None or type(experts).__name__ != "TritonOrDeepGemmExperts":
+        return None
+    owner = sys.modules[type(experts).__module__]
+    if getattr(owner, "is_deep_gemm_e8m0_used", lambda: False)():
+        return None
+    return getattr(owner, "_valid_deep_gemm_shape", None)
 
 
 def slices(values: list, parts: int) -> list:
@@ -134,9 +203,13 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     per_child = assign([job["counts"] for job in jobs], children)
+    t0 = time.perf_counter()
     outcomes = run_children(per_child, jobs, buffers, device)
-    return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights in {sum(len(t) for t in per_child)} "
-            f"slices on {len(outcomes)} processes; {cached_kernels(cache) - before} kernels new in {cache}"]
+    wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
+    slowest = max(o["seconds"] for o in outcomes)
+    return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls "
+            f"in {sum(len(t) for t in per_child)} slices on {len(outcomes)} processes; {new} kernels new in "
+            f"{cache}, {wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls)"]
 
 
 def assign(counts_per_job: list, children: int) -> list:
@@ -198,9 +271,24 @@ def _buffers(jobs: list, device: str) -> dict:
     a = max(need(j, lambda w: w.shape[-1]) for j in jobs)
     scale = max(need(j, lambda w: _scale_cols(w.shape[-1])) for j in jobs)
     out = max(need(j, lambda w: w.shape[-2]) for j in jobs)
-    return {"a": torch.empty(a, device=device, dtype=torch.float8_e4m3fn),
-            "scale": torch.empty(scale, device=device, dtype=torch.float32),
-            "out": torch.empty(out, device=device, dtype=torch.bfloat16)}
+    buffers = {"a": torch.empty(a, device=device, dtype=torch.float8_e4m3fn),
+               "scale": torch.empty(scale, device=device, dtype=torch.float32),
+               "out": torch.empty(out, device=device, dtype=torch.bfloat16)}
+    # grouped GEMMs: one expert per block of `align` rows, as vLLM's permutation lays them out
+    # (which expert does not change the kernel); a prefix of the longest serves every M_sum
+    rows = {}  # align -> (most rows, fewest experts)
+    for job in jobs:
+        for m, align, _ in job["counts"] if job["kind"] == "grouped" else ():
+            most, fewest = rows.get(align, (0, job["w"].shape[0]))
+            rows[align] = (max(most, m), min(fewest, job["w"].shape[0]))
+    for align, (m, experts) in rows.items():
+        ids = torch.arange(-(-m // align), device=device, dtype=torch.int32) % experts
+        buffers[_ids_key(align)] = ids.repeat_interleave(align)
+    return buffers
+
+
+def _ids_key(align: int) -> str:
+    return f"expert_ids/{align}"
 
 
 def _scale_cols(k: int) -> int:
@@ -223,6 +311,8 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
             if job["kind"] == "linear":
                 deep_gemm.fp8_gemm_nt((a, a_s), (w, ws), out)
             else:
+                if expert_ids is None:
+                    expert_ids = buffers[_ids_key(align)][:m]
                 with deep_gemm.mk_alignment_scope(align):
                     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_s), (w, ws), out, expert_ids)
             calls += 1

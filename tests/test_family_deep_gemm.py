@@ -99,16 +99,95 @@ def test_jobs_are_vllms_weights_and_counts_one_per_distinct_shape(monkeypatch):
                         lambda m: (m.w13, "s13", m.w2, "s2", 2))
     monkeypatch.setattr(w_mod, "_get_grouped_gemm_params",
                         lambda w1, w2, top_k, max_tokens: (256, 128, [(128, 128, "ids"), (256, 128, "ids")]))
+    monkeypatch.setattr(dg, "grouped_layouts",
+                        lambda module, w1, w2, top_k, max_tokens: [(256, 128, None), (384, 128, None)])
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
     jobs = dg.gemm_jobs(model, 64)
     assert [(j["kind"], tuple(j["w"].shape)) for j in jobs] == [
         ("linear", (256, 512)), ("linear", (384, 256)), ("grouped", (4, 512, 512)), ("grouped", (4, 512, 256))]
     assert jobs[0]["counts"] == [(m, None, None) for m in range(1, 65)]
     assert jobs[2]["ws"] == "s13" and jobs[3]["ws"] == "s2"
-    assert jobs[3]["counts"] == [(128, 128, "ids"), (256, 128, "ids")]
+    assert jobs[3]["counts"] == [(128, 128, None), (256, 128, None), (384, 128, None)], \
+        "every layout vLLM's warmup runs and every one requests reach, once"
     # a weight vLLM's warmup already ran in this process is left out, as vLLM leaves it out
     monkeypatch.setattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", {torch.Size([256, 512])})
     assert [tuple(j["w"].shape) for j in dg.gemm_jobs(model, 64)][:1] == [(384, 256)]
+
+
+def test_linear_layers_vllm_runs_on_deep_gemm_count_though_its_warmup_filter_leaves_them_out(monkeypatch):
+    # vLLM's real kernel classes (uninitialized: the family asks only which class vLLM chose)
+    from types import SimpleNamespace
+
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass, deep_gemm, flashinfer
+    from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+
+    def layer(n, k, kernel):
+        module = _Linear(n, k)
+        module.quant_method = SimpleNamespace(fp8_linear=object.__new__(kernel))
+        return module
+
+    on_dg = layer(2112, 7168, deep_gemm.DeepGemmFp8BlockScaledMMKernel)  # DeepSeek-V3.2's fused_qkv_a
+    assert dg.runs_on_deep_gemm(on_dg)
+    wrapped = layer(2624, 6144, flashinfer.FlashInferFp8DeepGEMMDynamicBlockScaledKernel)  # GLM-5's
+    wrapped.quant_method.fp8_linear.fallback = object.__new__(deep_gemm.DeepGemmFp8BlockScaledMMKernel)
+    assert dg.runs_on_deep_gemm(wrapped), "DeepGEMM as the dynamic kernel's fallback (M >= 32)"
+    assert not dg.runs_on_deep_gemm(layer(2112, 7168, cutlass.CutlassFp8BlockScaledMMKernel))
+    assert not dg.runs_on_deep_gemm(torch.nn.Linear(4, 4)) and not dg.runs_on_deep_gemm(_Linear(256, 512))
+    # vLLM's warmup filter takes N % 128 == 0 only (stood in: it calls DeepGEMM); the family
+    # takes the 2112-row weight as well, with the same count list
+    monkeypatch.setattr(w_mod, "_fp8_linear_may_use_deep_gemm",
+                        lambda m: isinstance(m, _Linear) and m.weight.shape[0] % 128 == 0)
+    monkeypatch.setattr(w_mod, "_extract_data_from_linear_base_module",
+                        lambda m: (m.weight, m.weight_scale_inv, [128, 128]))
+    monkeypatch.setattr(w_mod, "_fused_moe_grouped_gemm_may_use_deep_gemm", lambda m: False)
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
+    jobs = dg.gemm_jobs(torch.nn.Sequential(_Linear(256, 512), on_dg, wrapped), 16)
+    assert [tuple(j["w"].shape) for j in jobs] == [(256, 512), (2112, 7168), (2624, 6144)]
+    assert all(j["counts"] == [(m, None, None) for m in range(1, 17)] for j in jobs)
+
+
+def _moe_layer(experts):
+    """A MoE layer as the family reads it: ``quant_method.fused_experts.fused_experts``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(quant_method=SimpleNamespace(fused_experts=SimpleNamespace(fused_experts=experts)))
+
+
+def _vllm_layouts(ms, top_k=8, experts=256):
+    from vllm.model_executor.layers.fused_moe import deep_gemm_utils
+
+    return sorted({deep_gemm_utils.compute_aligned_M_and_alignment(
+        M=m, num_topk=top_k, local_num_experts=experts, alignment=128, expert_tokens_meta=None) for m in ms})
+
+
+def test_grouped_layouts_are_every_m_sum_a_batch_reaches_including_those_vllms_list_misses(monkeypatch):
+    # DeepSeek-V3.2's MoE (256 experts, top-8, hidden 7168, intermediate 2048) on vLLM's own
+    # layout code; the experts are vLLM's real TritonOrDeepGemmExperts (uninitialized: only its
+    # class decides), whose Triton fallback takes batches below DeepGEMM's alignment.
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
+    from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+
+    monkeypatch.setattr(w_mod, "get_dp_group", lambda: SimpleNamespace(world_size=1))  # no process group here
+    w13, w2 = torch.empty(256, 4096, 7168, device="meta"), torch.empty(256, 7168, 2048, device="meta")
+    layer = _moe_layer(object.__new__(TritonOrDeepGemmExperts))
+    layouts = dg.grouped_layouts(layer, w13, w2, 8, 8192)
+    assert [(m, a) for m, a, _ in layouts] == _vllm_layouts(range(128, 8193))
+    assert len(layouts) == 505 and all(m % 128 == 0 and a == 128 for m, a, _ in layouts)
+    # vLLM's relax list (an H200's 132 SMs) runs 241 layouts, 228 of them reachable: the
+    # scenario's 1x2500-token prefill (BENCHMARKS.md) has a layout it misses
+    monkeypatch.setattr(w_mod, "num_compute_units", lambda index: 132)
+    _, _, relax = w_mod._get_grouped_gemm_params(w13, w2, 8, 8192)
+    relax = {(m, a) for m, a, _ in relax}
+    assert len(relax) == 241 and len(relax & {(m, a) for m, a, _ in layouts}) == 228
+    assert _vllm_layouts([2500]) == [(52608, 128)] and (52608, 128) not in relax
+    # experts without a Triton fallback take every batch on DeepGEMM: from one token up
+    assert [(m, a) for m, a, _ in dg.grouped_layouts(_moe_layer(None), w13, w2, 8, 8192)] == \
+        _vllm_layouts(range(1, 8193))
+    # DP ranks' tokens meet in one MoE call, as vLLM's warmup assumes
+    monkeypatch.setattr(w_mod, "get_dp_group", lambda: SimpleNamespace(world_size=2))
+    assert dg.grouped_layouts(layer, w13, w2, 8, 4096) == layouts
 
 
 def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
