@@ -22,9 +22,9 @@ derives what requests can run on DeepGEMM from vLLM's own code, not from a list 
   ``max_num_batched_tokens`` selects (checked on the H200 for every M of two weights);
 - MoE layers: every grouped layout a batch can produce (:func:`grouped_layouts`), where vLLM's
   list samples half of them.
-It probes one call, and when that call compiled (the cache is cold), spreads
-the weights, and slices of the longest lists, over child processes, one per core of this
-rank (:func:`assign`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
+It probes one call, and when that call compiled (the cache is cold), cuts every weight's
+counts into runs of two doublings of M and lets child processes, one per core of this rank,
+pull the runs across weights until none is left (:func:`chunks`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
 the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
 their outputs are thrown away). vLLM's warmup then loads every kernel from the cache. On a
 warm cache the probe is a load (milliseconds) and nothing is spawned.
@@ -35,7 +35,9 @@ vLLM compiles DeepGEMM's kernels in parallel (or ships them prebuilt).
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -56,6 +58,7 @@ COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load 
 CHILD_TIMEOUT_S = 1800.0
 MAX_CHILDREN = 16
 CHILD_GPU_BYTES = 1 << 30  # a child's CUDA context and DeepGEMM's workspace, with room to spare
+CHUNK_OCTAVES = 2.0  # a run of the work list spans at most this many doublings of M (chunks)
 
 
 def applies(view) -> str | None:
@@ -176,13 +179,31 @@ def _deep_gemm_takes(module):
     return getattr(owner, "_valid_deep_gemm_shape", None)
 
 
-def slices(values: list, parts: int) -> list:
-    """`values` cut into at most `parts` contiguous, non-empty runs of near-equal length, in
-    order: neighbouring token counts mostly share a kernel, so a kernel is compiled by one
-    child, or by two at a run's edge."""
-    parts = max(1, min(parts, len(values)))
-    bounds = [len(values) * i // parts for i in range(parts + 1)]
-    return [values[bounds[i]:bounds[i + 1]] for i in range(parts)]
+def chunks(counts_per_job: list, octaves: float = CHUNK_OCTAVES) -> list:
+    """The work list the children pull from: ``[(job index, counts)]``, each a run of one
+    weight's token counts (sorted) spanning at most `octaves` doublings, every count once,
+    interleaved across weights (each weight's first run, then each one's second, ...).
+
+    DeepGEMM compiles N and K into a kernel, and picks its block sizes and multicast from
+    the waves a count makes, so one weight's kernels change about once or twice per doubling
+    of M; a run of counts compiles few kernels, and neighbouring runs share some. Children
+    that pull runs of different weights at the same time seldom compile one kernel twice;
+    a child that finishes early takes the next run instead of waiting on a weight another
+    child holds. Measured on the H200 (BENCHMARKS.md, FP8 on vLLM 0.29.0): whole weights per
+    child and slices of the longest lists took 104-127 s for 112-118 kernels on 15
+    processes, against about 30 s of compile work per process (3.3 s a kernel); a weight
+    with 24 kernels held one process the whole time."""
+    runs = []
+    for j, counts in enumerate(counts_per_job):
+        own = []
+        for count in sorted(counts, key=lambda c: c[0]):
+            if own and math.log2(count[0]) - math.log2(own[-1][0][0]) >= octaves:
+                own.append([])
+            if not own:
+                own.append([])
+            own[-1].append(count)
+        runs.append([(j, run) for run in own if run])
+    return [run for level in itertools.zip_longest(*runs) for run in level if run is not None]
 
 
 def compile_ahead(jobs: list, device: str, tp_size) -> list:
@@ -202,44 +223,14 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
     buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
-    per_child = assign([job["counts"] for job in jobs], children)
+    work = chunks([job["counts"] for job in jobs])
     t0 = time.perf_counter()
-    outcomes = run_children(per_child, jobs, buffers, device)
+    outcomes = run_children(work, min(children, len(work)), jobs, buffers, device)
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
     slowest = max(o["seconds"] for o in outcomes)
     return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls "
-            f"in {sum(len(t) for t in per_child)} slices on {len(outcomes)} processes; {new} kernels new in "
-            f"{cache}, {wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls)"]
-
-
-def assign(counts_per_job: list, children: int) -> list:
-    """Each child's tasks, ``[(job index, contiguous counts)]``, no count twice. A weight's
-    kernels are its own (DeepGEMM specializes on N and K), and one configuration recurs over
-    a weight's range of counts: children that work on one weight at the same time compile
-    its recurring kernels twice. So weights are spread over the children first: with as
-    many children as weights or fewer, each child takes whole weights (the longest lists
-    first, each to the least loaded child); with more, every weight gets one child and the
-    children left over cut the longest lists (by counts per child) into contiguous slices.
-    Measured (BENCHMARKS.md, FP8): every weight cut over 15 children took 112 s for 89
-    kernels, about 5x their compile time spread over 15 cores."""
-    jobs = [j for j, counts in enumerate(counts_per_job) if counts]
-    if not jobs:
-        return []
-    children = max(1, children)
-    if children <= len(jobs):
-        per_child, load = [[] for _ in range(children)], [0] * children
-        for j in sorted(jobs, key=lambda j: -len(counts_per_job[j])):
-            i = load.index(min(load))
-            per_child[i].append((j, counts_per_job[j]))
-            load[i] += len(counts_per_job[j])
-        return [sorted(tasks, key=lambda t: t[0]) for tasks in per_child if tasks]
-    parts = {j: 1 for j in jobs}
-    for _ in range(children - len(jobs)):
-        j = max(jobs, key=lambda j: len(counts_per_job[j]) / parts[j])
-        if len(counts_per_job[j]) <= parts[j]:
-            break  # every list is down to one count per child
-        parts[j] += 1
-    return [[(j, part)] for j in jobs for part in slices(counts_per_job[j], parts[j])]
+            f"in {len(work)} runs pulled by {len(outcomes)} processes; {new} kernels new in {cache}, "
+            f"{wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls)"]
 
 
 def _cache_dir() -> str:
@@ -319,23 +310,25 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
     return calls
 
 
-def run_children(per_child: list, jobs: list, buffers: dict, device: str) -> list:
-    """One child process per task list, all at once; each gets the jobs' tensors and the
-    buffers through CUDA IPC (torch's multiprocessing pickler) on its stdin. Returns each
-    child's ``{"calls", "seconds"}``; a child that fails raises with its last error line."""
+def run_children(work: list, children: int, jobs: list, buffers: dict, device: str) -> list:
+    """`children` processes at once, pulling the runs of `work` in order: each claims the
+    next unclaimed run (an exclusive-create file per run in a scratch folder, so no run is
+    done twice) until none is left. Each gets the jobs' tensors and the buffers through CUDA
+    IPC (torch's multiprocessing pickler) on its stdin. Returns each child's ``{"calls",
+    "runs", "seconds"}``; a child that fails raises with its last error line."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
 
     index = torch.device(device).index or 0
     env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
+    claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
+    shared = {j: {"kind": job["kind"], "w": job["w"], "ws": job["ws"]}
+              for j, job in enumerate(jobs) if any(k == j for k, _ in work)}
     procs = []
     # stdout and stderr to files: a child's vLLM log lines never fill a pipe nobody reads yet
-    for tasks in per_child:
-        used = sorted({j for j, _ in tasks})
-        payload = {"device": index, "jobs": {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]}
-                                              for j in used},
-                   "tasks": tasks, "buffers": buffers}
+    for _ in range(max(1, children)):
+        payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers}
         out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm import child; child()"],
                                 stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
@@ -363,21 +356,37 @@ def run_children(per_child: list, jobs: list, buffers: dict, device: str) -> lis
             failures.append(f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
         out.close()
         err.close()
+    claims.cleanup()
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(procs)} DeepGEMM compile processes failed; first: {failures[0]}")
     return outcomes
 
 
+def claimed(work: list, claims: str):
+    """The runs of `work` this process claims, in order: a run is this process's when it
+    creates the run's file in `claims` first (``O_EXCL``), so processes walking the same
+    list share it out as they go, each run to exactly one of them."""
+    for i, run in enumerate(work):
+        try:
+            os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # another process took it
+        yield run
+
+
 def child() -> None:
-    """A compile process: read the pickled payload from stdin, run its token counts, print
-    one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC."""
+    """A compile process: read the pickled payload from stdin, run every run of the work
+    list it claims first, print one JSON line. The weights and buffers are the engine's,
+    mapped through CUDA IPC."""
     import torch
 
     payload = pickle.loads(sys.stdin.buffer.read())  # maps the IPC handles on their device
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
-    jobs = [dict(payload["jobs"][j]) for j, _ in payload["tasks"]]
+    calls = runs = 0
     t0 = time.perf_counter()
-    calls = run_counts(jobs, [counts for _, counts in payload["tasks"]], payload["buffers"])
+    for j, counts in claimed(payload["work"], payload["claims"]):
+        calls += run_counts([payload["jobs"][j]], [counts], payload["buffers"])
+        runs += 1
     torch.cuda.synchronize()
-    print(json.dumps({"calls": calls, "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+    print(json.dumps({"calls": calls, "runs": runs, "seconds": round(time.perf_counter() - t0, 3)}), flush=True)

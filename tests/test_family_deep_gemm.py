@@ -9,6 +9,9 @@ how a failing child is reported. What it saves is measured on the GPU (BENCHMARK
 from __future__ import annotations
 
 
+import math
+import time
+
 import pytest
 import torch
 
@@ -18,45 +21,47 @@ from kwarm_ext.kernels import deep_gemm as dg
 from test_faults import stand_in_worker
 
 
-def test_slices_are_contiguous_cover_everything_once_and_are_balanced():
-    values = list(range(1, 101))
-    for parts in (1, 3, 7, 16, 100, 250):
-        cut = dg.slices(values, parts)
-        assert [v for part in cut for v in part] == values
-        assert len(cut) == min(parts, len(values))
-        assert max(map(len, cut)) - min(map(len, cut)) <= 1
-        assert all(part == list(range(part[0], part[-1] + 1)) for part in cut)
+def test_chunks_cover_every_count_once_in_runs_of_two_doublings_interleaved_across_weights():
+    linear = [(m, None, None) for m in (1, 2, 3, 4, 8, 16, 63, 64, 200, 256, 1024, 4096, 8192)]
+    grouped = [(m, 128, None) for m in (33536, 65536, 98048)]
+    counts = [linear, grouped, [], list(reversed(linear[:4]))]
+    work = dg.chunks(counts)
+    for j, job in enumerate(counts):  # every count once, each weight's runs in order of M
+        assert [c for k, run in work if k == j for c in run] == sorted(job, key=lambda c: c[0])
+    assert all(len(run) and math.log2(run[-1][0]) - math.log2(run[0][0]) < 2 for _, run in work)
+    assert [(j, [c[0] for c in run]) for j, run in work] == [
+        (0, [1, 2, 3]), (1, [33536, 65536, 98048]), (3, [1, 2, 3]),  # each weight's first run,
+        (0, [4, 8]), (3, [4]),                                         # then each one's second, ...
+        (0, [16, 63]), (0, [64, 200]), (0, [256]), (0, [1024]), (0, [4096, 8192])]
+    assert dg.chunks([[], []]) == []
+    assert [len(run) for _, run in dg.chunks([[(m, None, None) for m in range(1, 9)]], octaves=10)] == [8]
 
 
-def _every_count_once(per_child, counts):
-    for j, job in enumerate(counts):
-        got = [c for tasks in per_child for k, part in tasks if k == j for c in part]
-        assert got == job, f"job {j}: every count once, in order"
+def _claim_all(work, claims, out):
+    for run in dg.claimed(work, claims):
+        time.sleep(0.002)  # a call's worth of work, so that the processes interleave
+        out.put(run)
+    out.put(None)
 
 
-def test_assign_spreads_weights_first_then_slices_the_longest_lists():
-    counts = [list(range(1, 301)), list(range(1, 5)), [(64, 128, "ids"), (4096, 128, "ids2")], list(range(1, 151))]
-    per_child = dg.assign(counts, 15)
-    _every_count_once(per_child, counts)
-    assert len(per_child) == 15 and all(len(tasks) == 1 for tasks in per_child), "one task per child"
-    by_job = [sum(k == j for tasks in per_child for k, _ in tasks) for j in range(len(counts))]
-    # 4 weights, one child each; the 11 left over cut the two long lists, by counts per child:
-    # 13 slices of 300 + 150 counts, none longer than the best split allows (450 / 13 -> 38)
-    assert by_job[1] == by_job[2] == 1 and by_job[0] + by_job[3] == 13
-    assert max(len(part) for tasks in per_child for k, part in tasks if k in (0, 3)) <= 38
-    assert all(part == list(range(part[0], part[-1] + 1)) for tasks in per_child for k, part in tasks if k in (0, 3))
-    # no more children than counts: a list of one count stays whole
-    assert dg.assign([[1], [2, 3]], 8) == [[(0, [1])], [(1, [2])], [(1, [3])]]
+def test_processes_walking_one_work_list_each_run_it_once(tmp_path):
+    import multiprocessing
 
-
-def test_assign_with_fewer_children_than_weights_gives_whole_weights_to_the_least_loaded():
-    counts = [list(range(10)), list(range(40)), list(range(25)), list(range(20)), []]
-    per_child = dg.assign(counts, 2)
-    _every_count_once(per_child, counts)
-    assert [[k for k, _ in tasks] for tasks in per_child] == [[0, 1], [2, 3]], \
-        "longest first, each to the least loaded child: 40 + 10 | 25 + 20"
-    assert dg.assign([[1]], 8) == [[(0, [1])]]
-    assert dg.assign([[], []], 4) == []
+    work = [(j % 3, [(m, None, None)]) for j, m in enumerate(range(1, 61))]
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(work, str(tmp_path), out)) for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    got, done = [], 0
+    while done < len(procs):
+        run = out.get(timeout=60)
+        done += run is None
+        got += [] if run is None else [run]
+    for proc in procs:
+        proc.join()
+    assert sorted(got) == sorted(work), "every run once, none twice"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(map(str, range(60)))
 
 
 def test_is_an_ahead_family_and_applies_only_where_vllm_runs_deepgemm(monkeypatch):
@@ -201,7 +206,7 @@ def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
         jobs = [{"kind": "linear", "w": torch.zeros(4, 4), "ws": torch.ones(1, 1), "counts": [(1, None, None)]}]
         buffers = {"a": torch.zeros(16), "scale": torch.zeros(4), "out": torch.zeros(16)}
         with pytest.raises(RuntimeError) as err:
-            dg.run_children([[(0, [(1, None, None)])], [(0, [(2, None, None)])]], jobs, buffers, "cuda:0")
+            dg.run_children([(0, [(1, None, None)]), (0, [(2, None, None)])], 2, jobs, buffers, "cuda:0")
     finally:
         tmp.set_sharing_strategy(old)
     message = str(err.value)
