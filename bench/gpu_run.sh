@@ -22,7 +22,7 @@
 #   STAGED=/tmp/kwarm-gpu where the staged releases are
 #   MODELS="tiny-qwen3-next tiny-deepseek-v32"   folders under bench/models/ (also the
 #                         published-dimension qwen3-next-80b-a3b-4l, deepseek-v32-2l,
-#                         deepseek-v32-2l-fp8: give them memory with MODEL_ARGS_<name>)
+#                         deepseek-v32-2l-fp8, glm5-2l-fp8: give them memory with MODEL_ARGS_<name>)
 #   MODEL_ARGS_<name>=""  extra engine_bench.py arguments for one model's runs, after all
 #                         others (so they win): <name> is the model folder with every
 #                         character other than A-Z a-z 0-9 _ turned into _, e.g.

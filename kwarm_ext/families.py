@@ -71,11 +71,13 @@ FAMILIES = {
     f.name: f
     for f in (
         Family("deep_gemm", "kwarm_ext.kernels.deep_gemm",
-               "block-FP8 models: DeepGEMM's GEMM kernels that vLLM's DeepGEMM warmup compiles one "
-               "by one, compiled first on every core of the rank (child processes on the engine's "
-               "weights through CUDA IPC), so that vLLM's warmup loads them",
-               "vLLM compiles the same kernels itself, one by one (deep_gemm_warmup, 0.20-0.33); kwarm adds "
-               "the parallel compile before it, so that vLLM's warmup only loads them", ahead=True),
+               "block-FP8 models: DeepGEMM's GEMM kernels for every weight vLLM runs on DeepGEMM and "
+               "every token count or grouped layout that selects one, compiled first on every core of "
+               "the rank (child processes on the engine's weights through CUDA IPC), so that vLLM's "
+               "warmup loads them",
+               "vLLM compiles its own list one by one (deep_gemm_warmup, 0.20-0.33) and skips weights whose N "
+               "is not a multiple of 128 and grouped layouts between its counts; kwarm compiles all of "
+               "them in parallel before it", ahead=True),
         Family("replay", "kwarm_ext.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",

@@ -228,3 +228,20 @@ def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_en
     assert len(done) == 1 and "deep_gemm (runner device cpu is not CUDA)" in done[0]
     # without an ahead phase for this worker, run() neither plans nor lists it
     assert "deep_gemm" not in [f["name"] for f in warmup.run(stand_in_worker())["families"]]
+
+
+@pytest.mark.parametrize("model, fused_qkv_a", [("deepseek-v32-2l-fp8", 2112), ("glm5-2l-fp8", 2624)])
+def test_bench_fp8_models_load_as_block_fp8_mla_whose_fused_down_projection_vllms_warmup_skips(model, fused_qkv_a):
+    # the bench's published-dimension FP8 models, read by transformers' own config classes
+    # and vLLM's registry: the q/kv down-projection's N runs on DeepGEMM (a multiple of 64) and
+    # is skipped by vLLM's warmup filter (not a multiple of 128)
+    from pathlib import Path
+
+    from transformers import AutoConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cfg = AutoConfig.from_pretrained(Path(__file__).parent.parent / "bench" / "models" / model)
+    assert cfg.quantization_config["weight_block_size"] == [128, 128]
+    assert cfg.architectures[0] in ModelRegistry.get_supported_archs()
+    n = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert n == fused_qkv_a and n % 64 == 0 and n % 128 != 0
