@@ -197,12 +197,10 @@ def chunks(counts_per_job: list, octaves: float = CHUNK_OCTAVES) -> list:
     for j, counts in enumerate(counts_per_job):
         own = []
         for count in sorted(counts, key=lambda c: c[0]):
-            if own and math.log2(count[0]) - math.log2(own[-1][0][0]) >= octaves:
-                own.append([])
-            if not own:
+            if not own or math.log2(count[0] / own[-1][0][0]) >= octaves:
                 own.append([])
             own[-1].append(count)
-        runs.append([(j, run) for run in own if run])
+        runs.append([(j, run) for run in own])
     return [run for level in itertools.zip_longest(*runs) for run in level if run is not None]
 
 
