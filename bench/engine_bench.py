@@ -204,11 +204,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
                         "requests, so that engines sharing a GPU never measure while another one "
                         "initializes or measures")
+    p.add_argument("--deepgemm-sweep", action="store_true",
+                   help="after the requests, run vLLM's fp8_gemm_nt at every token count up to "
+                        "max_num_batched_tokens on each block-FP8 weight vLLM may run on DeepGEMM, and "
+                        "record the kernels that still compiled (deepgemm_sweep; needs --max-num-batched-tokens)")
     p.add_argument("--settle-s", type=float, default=0.0, metavar="S",
                    help="sleep S seconds before request 0 (after taking the --sync-lock): lets the "
                         "engine's own start-up threads and another engine's exit finish, as a served "
                         "engine's first request rarely arrives the moment it is ready")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.deepgemm_sweep and not args.max_num_batched_tokens:
+        p.error("--deepgemm-sweep needs --max-num-batched-tokens (the counts it sweeps)")
+    return args
 
 
 def resolve_model(arg: str) -> Path:
@@ -514,6 +521,37 @@ def deepgemm_dir(vllm_cache_root: str) -> str:
     """Where DeepGEMM JITs: DG_JIT_CACHE_DIR, which vLLM sets (utils/deep_gemm.py, at its
     lazy init) to $VLLM_CACHE_ROOT/deep_gemm when unset. Read only."""
     return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(vllm_cache_root, "deep_gemm")
+
+
+def deepgemm_sweep(model, max_tokens: int) -> dict:
+    """Every token count 1..max_tokens through vLLM's ``fp8_gemm_nt`` on each distinct weight
+    vLLM may run on DeepGEMM (2-D block-FP8 with scales, and ``should_use_deepgemm_for_fp8_linear``
+    for its shape): a request of any length reaches no other linear-layer kernel, so none
+    compiling here is the proof that none compiles in requests. Chosen by vLLM's own test, not
+    by kwarm's. Runs in the worker (``LLM.apply_model``); scratch buffers per weight."""
+    import torch
+    from vllm.utils import deep_gemm
+
+    seen, calls, t0 = [], 0, time.perf_counter()
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        ws = getattr(module, "weight_scale_inv", getattr(module, "weight_scale", None))
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float8_e4m3fn or w.dim() != 2 or ws is None:
+            continue
+        n, k = w.shape
+        if [n, k] in seen or not deep_gemm.should_use_deepgemm_for_fp8_linear(torch.bfloat16, (n, k)):
+            continue
+        seen.append([n, k])
+        a = torch.empty(max_tokens, k, device=w.device, dtype=torch.float8_e4m3fn)
+        a_s = torch.empty(max_tokens, -(-k // 128), device=w.device, dtype=torch.float32)
+        out = torch.empty(max_tokens, n, device=w.device, dtype=torch.bfloat16)
+        for m in range(1, max_tokens + 1):
+            deep_gemm.fp8_gemm_nt((a[:m], a_s[:m]), (w, ws), out[:m])
+            calls += 1
+        if w.is_cuda:
+            torch.cuda.synchronize(w.device)
+        del a, a_s, out
+    return {"weights": seen, "calls": calls, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def deepgemm_names(entries) -> dict:
@@ -965,6 +1003,15 @@ def main(argv=None) -> int:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
                       f"{format_profile(profile['top_cumtime'])}", flush=True)
+            write()
+        if args.deepgemm_sweep:
+            dg_dir = deepgemm_dir(cache["vllm_cache_root"])
+            dg0 = deepgemm_entries(dg_dir)
+            sweep = llm.apply_model(lambda model: deepgemm_sweep(model, args.max_num_batched_tokens))[0]
+            sweep["new_kernels"] = deepgemm_names(deepgemm_entries(dg_dir) - dg0)
+            result["deepgemm_sweep"] = sweep
+            print(f"engine_bench: DeepGEMM sweep: {sweep['calls']} calls on {len(sweep['weights'])} weights in "
+                  f"{sweep['seconds']} s, kernels compiled: {sweep['new_kernels'] or 'none'}", flush=True)
             write()
     host.close()
     result["complete"] = True

@@ -1012,3 +1012,30 @@ def test_tensor_parallel_runs_read_every_ranks_report(tmp_path):
     args = engine_bench.parse_args(["tiny-qwen3-next", "--tensor-parallel-size", "2"])
     assert engine_bench.engine_kwargs(args, tmp_path, {})["tensor_parallel_size"] == 2
     assert "tensor_parallel_size" not in engine_bench.engine_kwargs(engine_bench.parse_args(["m"]), tmp_path, {})
+
+
+def test_deepgemm_sweep_runs_every_count_on_each_weight_vllm_may_run_on_deepgemm(monkeypatch, capsys):
+    import torch
+    from vllm.utils import deep_gemm
+
+    class Layer(torch.nn.Module):
+        def __init__(self, n, k, dtype=torch.float8_e4m3fn):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(n, k).to(dtype), requires_grad=False)
+            self.weight_scale_inv = torch.nn.Parameter(torch.ones(-(-n // 128), k // 128), requires_grad=False)
+
+    # vLLM's own shape test decides (real); DeepGEMM's kernels cannot exist here: a Hopper
+    # GPU stood in for, the GEMM recorded
+    monkeypatch.setattr(deep_gemm, "is_deep_gemm_supported", lambda: True)
+    calls = []
+    monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", lambda a, b, out: calls.append((a[0].shape[0], tuple(b[0].shape), tuple(out.shape))))
+    model = torch.nn.Sequential(Layer(2112, 256), Layer(2112, 256), Layer(256, 128), Layer(100, 128),
+                                Layer(256, 256, dtype=torch.bfloat16))
+    res = engine_bench.deepgemm_sweep(model, 4)
+    assert res["weights"] == [[2112, 256], [256, 128]], "each distinct FP8 weight whose N is a multiple of 64"
+    assert calls == [(m, (n, k), (m, n)) for n, k in ((2112, 256), (256, 128)) for m in range(1, 5)]
+    assert res["calls"] == 8
+    with pytest.raises(SystemExit):
+        engine_bench.parse_args(["tiny-qwen3-next", "--deepgemm-sweep"])
+    assert "--deepgemm-sweep needs --max-num-batched-tokens" in capsys.readouterr().err
+    assert engine_bench.parse_args(["m", "--deepgemm-sweep", "--max-num-batched-tokens", "64"]).deepgemm_sweep
