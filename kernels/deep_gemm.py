@@ -97,8 +97,9 @@ def plan(view, forced) -> list:
 def gemm_jobs(model, max_tokens: int) -> list:
     """What the requests can run on DeepGEMM, from vLLM's own filters, kernel choice and lists:
     one job per distinct weight, ``{"kind": "linear"|"grouped", "w", "ws", "counts": [(m, align,
-    expert_ids)]}`` (``align`` and ``expert_ids`` are None for linear layers). Weights vLLM's
-    warmup already ran in this process are left out, as it leaves them out."""
+    expert_ids)]}`` (``align`` is None for linear layers; ``expert_ids`` is None: grouped calls
+    take theirs from the shared buffers, :func:`_buffers`). Weights vLLM's warmup already ran
+    in this process are left out, as it leaves them out."""
     w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
     jobs, seen = [], set(getattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", ()))
     seen_grouped = set(getattr(w_mod, "GROUPED_FP8_GEMM_NT_CONTIGUOUS_WARMUP_CACHE", ()))
@@ -191,7 +192,7 @@ def chunks(counts_per_job: list, octaves: float = CHUNK_OCTAVES) -> list:
     a child that finishes early takes the next run instead of waiting on a weight another
     child holds. Measured on the H200 (BENCHMARKS.md, FP8 on vLLM 0.29.0): whole weights per
     child and slices of the longest lists took 104-127 s for 112-118 kernels on 15
-    processes, against about 30 s of compile work per process (3.3 s a kernel); a weight
+    processes, against about 25 s of compile work per process (3.3 s a kernel); a weight
     with 24 kernels held one process the whole time."""
     runs = []
     for j, counts in enumerate(counts_per_job):
@@ -321,8 +322,7 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     index = torch.device(device).index or 0
     env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
     claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
-    shared = {j: {"kind": job["kind"], "w": job["w"], "ws": job["ws"]}
-              for j, job in enumerate(jobs) if any(k == j for k, _ in work)}
+    shared = {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]} for j, _ in work}
     procs = []
     # stdout and stderr to files: a child's vLLM log lines never fill a pipe nobody reads yet
     for _ in range(max(1, children)):
