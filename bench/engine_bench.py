@@ -543,7 +543,8 @@ def deepgemm_sweep(model, max_tokens: int) -> dict:
             continue
         seen.append([n, k])
         a = torch.empty(max_tokens, k, device=w.device, dtype=torch.float8_e4m3fn)
-        a_s = torch.empty(max_tokens, -(-k // 128), device=w.device, dtype=torch.float32)
+        # zeros, row-major, as vLLM's own warmup: 0.33 packs scales to UE8M0 and asserts on sign/mantissa bits
+        a_s = torch.zeros(max_tokens, -(-k // 128), device=w.device, dtype=torch.float32)
         out = torch.empty(max_tokens, n, device=w.device, dtype=torch.bfloat16)
         for m in range(1, max_tokens + 1):
             deep_gemm.fp8_gemm_nt((a[:m], a_s[:m]), (w, ws), out[:m])

@@ -61,10 +61,18 @@
 #   PROFILE_RUNS="*"      which runs PROFILE applies to: a pattern on the run's tag, e.g.
 #                         "*-replay" (the other runs stay unprofiled)
 #   BENCH_ARGS=""         extra engine_bench.py arguments for every run
+#   ON_ARGS=""            extra engine_bench.py arguments of kwarm-on runs only (after BENCH_ARGS
+#                         and MODEL_ARGS_<name>), e.g. "--deepgemm-sweep", which on a kwarm-off
+#                         run would build every kernel in the measuring process
 #   KWARM_ENV=""          extra environment of every kwarm-on run (cold, replay, warm):
 #                         space-separated VAR=VALUE, e.g. "KWARM_BUDGET=auto"; what the script
 #                         sets itself (KWARM_REPORT, KWARM_MANIFEST, KWARM_LEARN*, and
 #                         KWARM_WARMUPS of warm runs, REPLAY_FROM cold runs and WARMUPS) wins
+#   FLOOR=0               1: after each kwarm-on cold run, a kwarm-off run on new empty caches
+#                         except DeepGEMM's, which is that cold run's (DG_JIT_CACHE_DIR): vLLM's
+#                         start with every DeepGEMM kernel already built, the floor that no
+#                         DeepGEMM schedule can go under (tag *-kwarmoff-floor, variant
+#                         "DeepGEMM built")
 #   WARMUPS=""            KWARM_WARMUPS of the replay runs (e.g. "*,-caching_allocator": all
 #                         families but one); empty: all families
 #   LOCK=$WORK/engines.lock  the SYNC lock: give two gpu_run.sh started side by side (each
@@ -100,8 +108,10 @@ SYNC=${SYNC:-1}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
+ON_ARGS=${ON_ARGS:-}
 KWARM_ENV=${KWARM_ENV:-}
 WARMUPS=${WARMUPS:-}
+FLOOR=${FLOOR:-0}
 INSTALL=${INSTALL:-1}
 # The device tool returns at most 8 files from $OUT: everything is written to $RUN_OUT and
 # packed into $OUT/bench-results.tgz at the end (table.md is also copied beside it).
@@ -222,11 +232,14 @@ pipeline() {
   local model=$1 mode=$2
   local tag=$model-vllm$VER-kwarm$mode cache=$WORK/$model-vllm$VER-kwarm$mode
   local manifest=$OUT/$model-vllm$VER.manifest.json given=0
-  rm -rf "$cache" "$cache-replay"
+  rm -rf "$cache" "$cache-replay" "$cache-floor"
   # shellcheck disable=SC2206,SC2207  # word splitting intended
   local args=("bench/models/$model" --kwarm "$mode" --scenario "$SCENARIO"
               --gpu-memory-utilization "$GPU_UTIL" --kv-cache-memory-bytes "$KV_BYTES"
               $(model_args "$model") $BENCH_ARGS $(model_extra_args "$model"))
+  local base=("${args[@]}")  # the floor run's (kwarm off), without ON_ARGS
+  # shellcheck disable=SC2206  # word splitting intended
+  [ "$mode" = on ] && args+=($ON_ARGS)
   local on=() learn=() replay_env=() kenv=()
   [ -n "$WARMUPS" ] && replay_env=("KWARM_WARMUPS=$WARMUPS")
   if [ "$mode" = on ]; then
@@ -251,6 +264,11 @@ pipeline() {
   fi
   run_one "$tag-cold" "$cache" "$COLD_TIMEOUT" "${kenv[@]}" "${on[@]}" "${learn[@]}" -- "${args[@]}" \
     --variant "$( [ ${#learn[@]} -gt 0 ] && echo learning)" || return
+  if [ "$FLOOR" = 1 ] && [ "$mode" = on ]; then
+    local off_args=("${base[@]}"); off_args[2]=off  # base: model --kwarm MODE ...
+    run_one "$model-vllm$VER-kwarmoff-floor" "$cache-floor" "$COLD_TIMEOUT" "DG_JIT_CACHE_DIR=$cache/vllm/deep_gemm" \
+      -- "${off_args[@]}" --variant "DeepGEMM built"
+  fi
   if [ "$REPLAY_RUN" = 1 ] && [ "$mode" = on ] && { [ "$given" = 1 ] || [ "$LEARN" != 0 ]; } && [ -f "$manifest" ]; then
     run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "${kenv[@]}" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
@@ -301,7 +319,7 @@ if [ -f "$OUT/failed.txt" ]; then
     grep -v "^INFO\|^(EngineCore" "$OUT/$run.log" | tail -25
   done <"$OUT/failed.txt"
 fi
-results=("$OUT"/*-cold.json "$OUT"/*-warm.json "$OUT"/*-replay.json)
+results=("$OUT"/*-cold.json "$OUT"/*-warm.json "$OUT"/*-replay.json "$OUT"/*-floor.json)
 if [ ${#results[@]} -eq 0 ]; then
   echo "no results"; exit 1
 fi

@@ -262,7 +262,9 @@ def _buffers(jobs: list, device: str) -> dict:
     scale = max(need(j, lambda w: _scale_cols(w.shape[-1])) for j in jobs)
     out = max(need(j, lambda w: w.shape[-2]) for j in jobs)
     buffers = {"a": torch.empty(a, device=device, dtype=torch.float8_e4m3fn),
-               "scale": torch.empty(scale, device=device, dtype=torch.float32),
+               # zeros, as vLLM's warmup: where DeepGEMM packs FP32 scales into UE8M0 (SM100),
+               # it asserts that their sign and mantissa bits are zero (vLLM 0.33's note)
+               "scale": torch.zeros(scale, device=device, dtype=torch.float32),
                "out": torch.empty(out, device=device, dtype=torch.bfloat16)}
     # grouped GEMMs: one expert per block of `align` rows, as vLLM's permutation lays them out
     # (which expert does not change the kernel); a prefix of the longest serves every M_sum

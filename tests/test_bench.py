@@ -647,7 +647,7 @@ argv = sys.argv[1:]
 def opt(name, default=None):
     return argv[len(argv) - 1 - argv[::-1].index(name) + 1] if name in argv else default
 out, mode = opt("--out"), opt("--kwarm")
-env = {k: v for k, v in os.environ.items() if k.startswith("KWARM_")}
+env = {k: v for k, v in os.environ.items() if k.startswith(("KWARM_", "DG_JIT_"))}
 if env.get("KWARM_LEARN") and env.get("KWARM_MANIFEST"):
     open(env["KWARM_MANIFEST"], "w").write("{}")
 reqs = [{"i": 0, "label": "a", "s": 1.0, "jit": 1, "repeat_of": None, "kernels": []},
@@ -719,6 +719,28 @@ def test_gpu_run_kwarm_env_and_model_args(tmp_path):
     with tarfile.open(final / "bench-results.tgz") as tgz:
         names = {n.removeprefix("./") for n in tgz.getnames()}
     assert {"table.md", "chart.svg", "status.txt", "tiny-qwen3-next-vllm9.9-kwarmon-replay.json"} <= names
+
+
+def test_gpu_run_floor_is_vllm_alone_on_the_cold_runs_deepgemm_kernels(tmp_path):
+    env = gpu_run_env(tmp_path, FLOOR="1", WARM="0", LEARN="0", SCENARIO="pairs", ON_ARGS="--deepgemm-sweep")
+    proc = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "work" / "out"
+    runs = {p.name.split("kwarm", 1)[1].removesuffix(".json"): json.loads(p.read_text())
+            for p in out.glob("tiny-qwen3-next-vllm9.9-kwarm*.json")}
+    assert sorted(runs) == ["off-cold", "off-floor", "on-cold"]  # one floor, after the kwarm-on cold run
+    floor, argv = runs["off-floor"], runs["off-floor"]["fake_argv"]
+    assert floor["kwarm"] == "off" and floor["variant"] == "DeepGEMM built"
+    # DeepGEMM's kernels are the cold run's (vLLM's default place under its cache root); the rest is new
+    on_cache = tmp_path / "work" / "tiny-qwen3-next-vllm9.9-kwarmon"
+    assert floor["fake_env"] == {"DG_JIT_CACHE_DIR": f"{on_cache}/vllm/deep_gemm"}
+    assert argv[argv.index("--triton-cache") + 1] == f"{on_cache}-floor/triton"
+    # ON_ARGS: the kwarm-on run only
+    assert "--deepgemm-sweep" in runs["on-cold"]["fake_argv"]
+    assert "--deepgemm-sweep" not in argv and "--deepgemm-sweep" not in runs["off-cold"]["fake_argv"]
+    assert "DG_JIT_CACHE_DIR" not in runs["off-cold"]["fake_env"] and "DG_JIT_CACHE_DIR" not in runs["on-cold"]["fake_env"]
+    assert "off (DeepGEMM built)" in (tmp_path / "final" / "table.md").read_text()
 
 
 def test_gpu_run_rejects_a_bad_kwarm_env(tmp_path):
