@@ -10,12 +10,16 @@ core: about 3.3 s per kernel on the H200 host (BENCHMARKS.md, "DeepGEMM's JIT").
 are independent of each other, and DeepGEMM keeps each one in ``DG_JIT_CACHE_DIR``, which
 processes share: a kernel another process compiled is loaded, not compiled again.
 
-How: this family runs *ahead* of vLLM's ``kernel_warmup`` (``ahead=True`` in the table). It
-derives what requests can run on DeepGEMM from vLLM's own code, not from a list of its own:
-- the weights: those vLLM's warmup filter takes and those whose layer vLLM runs on DeepGEMM
-  although the filter leaves them out (:func:`runs_on_deep_gemm`: N a multiple of 64, not of
-  128, as MLA's fused q/kv down-projection; their kernels compiled in requests, 4 in the FP8
-  scenario of BENCHMARKS.md);
+How: this family runs *ahead* (``ahead=True`` in the table): before vLLM's profile run, the
+model's first forward, which on a cold cache compiles each weight's kernel for
+``max_num_batched_tokens`` one by one too (kwarm_ext/patches.py,
+``_wrap_determine_available_memory``). It derives what requests can run on DeepGEMM from vLLM's
+own code, not from a list of its own:
+- the weights (:func:`linear_data`): on 0.33+ those the DeepGEMM kernel stamped as its own,
+  which vLLM's warmup runs; before, those vLLM's warmup filter takes and those whose layer vLLM
+  runs on DeepGEMM although the filter leaves them out (:func:`runs_on_deep_gemm`: N a multiple
+  of 64, not of 128, as MLA's fused q/kv down-projection; their kernels compiled in requests,
+  4-5 in the FP8 scenario of BENCHMARKS.md);
 - linear layers' token counts: vLLM's own list (``relax``: every block-M multiple and wave
   boundary). DeepGEMM 2.5-2.6 (vLLM 0.24-0.29) compile N and K into a kernel, not M, and no
   longer size the SM count per M, so the list reaches each kernel a count up to
@@ -51,9 +55,11 @@ from kwarm_ext.families import Step
 KERNEL = "deep_gemm.fp8_gemm_nt"
 TRITON_KERNELS = ()  # DeepGEMM is not Triton
 WARMUP_MODULE = "vllm.model_executor.warmup.deep_gemm_warmup"
-_WARMUP_NAMES = ("_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module",
-                 "_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
+_WARMUP_NAMES = ("_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
                  "_extract_data_from_fused_moe_module", "_get_grouped_gemm_params")
+# which linear layers run on DeepGEMM: 0.33+ asks the layer (its DeepGEMM kernel stamps it),
+# 0.20-0.32 a filter on the layer and its weights
+_LINEAR_NAMES = (("_deep_gemm_linear_data",), ("_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module"))
 COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load takes milliseconds)
 CHILD_TIMEOUT_S = 1800.0
 MAX_CHILDREN = 16
@@ -79,9 +85,29 @@ def applies(view) -> str | None:
         warmup = __import__(WARMUP_MODULE, fromlist=["_"])
     except ImportError:
         return f"vLLM {view.vllm_version} has no DeepGEMM warmup to run ahead of"
-    missing = [name for name in _WARMUP_NAMES if not hasattr(warmup, name)]
+    missing = warmup_gaps(warmup)
     if missing:
         return f"vLLM {view.vllm_version}'s DeepGEMM warmup lacks {', '.join(missing)}"
+    return None
+
+
+def warmup_gaps(w_mod) -> list:
+    """The names this family reads from vLLM's DeepGEMM warmup module that `w_mod` lacks."""
+    missing = [name for name in _WARMUP_NAMES if not hasattr(w_mod, name)]
+    linear = [[name for name in names if not hasattr(w_mod, name)] for names in _LINEAR_NAMES]
+    return missing + ([] if [] in linear else linear[-1])
+
+
+def linear_data(w_mod, module):
+    """``(w, ws)`` of a linear layer whose GEMM runs on DeepGEMM, else None. vLLM 0.33+: the layers
+    the DeepGEMM kernel stamped as its own (``_deep_gemm_linear_data``, what vLLM's warmup runs:
+    every N that kernel takes). Before: vLLM's warmup filter, or vLLM's kernel choice where the
+    filter leaves the layer out (:func:`runs_on_deep_gemm`)."""
+    if hasattr(w_mod, "_deep_gemm_linear_data"):
+        return w_mod._deep_gemm_linear_data(module)
+    if w_mod._fp8_linear_may_use_deep_gemm(module) or runs_on_deep_gemm(module):
+        w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
+        return w, ws
     return None
 
 
@@ -104,8 +130,8 @@ def gemm_jobs(model, max_tokens: int) -> list:
     jobs, seen = [], set(getattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", ()))
     seen_grouped = set(getattr(w_mod, "GROUPED_FP8_GEMM_NT_CONTIGUOUS_WARMUP_CACHE", ()))
     for module in model.modules():
-        if w_mod._fp8_linear_may_use_deep_gemm(module) or runs_on_deep_gemm(module):
-            w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
+        if (data := linear_data(w_mod, module)) is not None:
+            w, ws = data
             if w.size() in seen:
                 continue
             seen.add(w.size())
@@ -167,11 +193,21 @@ def grouped_layouts(module, w13, w2, top_k: int, max_tokens: int) -> list:
     return [(m_sum, align, None) for m_sum, align in sorted(layouts)]
 
 
+def fused_experts(module):
+    """A MoE layer's experts implementation, where vLLM's own warmup filter reads it:
+    ``moe_kernel.impl.fused_experts`` of the layer's quant method (the ``MoERunner``'s
+    ``_quant_method`` on 0.24-0.33, the ``FusedMoE`` layer's ``quant_method`` on 0.20-0.23);
+    None where the layer has no modular kernel."""
+    method = getattr(module, "_quant_method", None) or getattr(module, "quant_method", None)
+    kernel = getattr(method, "moe_kernel", None)
+    return getattr(getattr(kernel, "impl", None), "fused_experts", None)
+
+
 def _deep_gemm_takes(module):
     """vLLM's test of whether M tokens go to DeepGEMM rather than the Triton fallback, where the
     layer's experts have one (``TritonOrDeepGemmExperts`` calls ``_valid_deep_gemm_shape(M, N,
     K)``; on GPUs with E8M0 scales everything goes to DeepGEMM); None: every M does."""
-    experts = getattr(getattr(module.quant_method, "fused_experts", None), "fused_experts", None)
+    experts = fused_experts(module)
     if experts is None or type(experts).__name__ != "TritonOrDeepGemmExperts":
         return None
     owner = sys.modules[type(experts).__module__]

@@ -47,11 +47,13 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, TARGET_ATTRIBUTE, TARGET_MODULE, after_capture_class,
-                                   is_after_capture_patched, is_patched)
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_PROFILE, TARGET_ATTRIBUTE, TARGET_MODULE,
+                                   after_capture_class, is_after_capture_patched, is_patched)
 
     out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
-           "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False}}
+           "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False},
+           "before_profile": {"attribute": f"{BEFORE_PROFILE.owner}.{BEFORE_PROFILE.attribute}", "found": False,
+                              "patched": False}}
     t0 = time.perf_counter()
     try:
         import importlib
@@ -61,6 +63,8 @@ def hook_target() -> dict:
         out["patched"] = is_patched(module)
         out["after_capture"].update(found=after_capture_class(module) is not None,
                                     patched=is_after_capture_patched(module))
+        out["before_profile"].update(found=BEFORE_PROFILE.holder(module) is not None,
+                                     patched=BEFORE_PROFILE.applied(module))
         from kwarm_ext import vllm_compat
         from kwarm_ext.patches import SERVING_THREADS
 
@@ -179,6 +183,10 @@ def render(r: dict) -> str:
     else:
         lines += ["", f"hook target: {h.get('module')}.{h.get('attribute')} found={yes(h.get('found'))} "
                       f"patched={yes(h.get('patched'))}" + (f"  error: {h['error']}" if h.get("error") else "")]
+    if h.get("before_profile"):
+        b = h["before_profile"]
+        lines.append(f"before-profile target: {h.get('module')}.{b['attribute']} found={yes(b['found'])} "
+                     f"patched={yes(b['patched'])}  (kwarm's ahead families, deep_gemm, before vLLM's profile run)")
     if h.get("after_capture"):
         a = h["after_capture"]
         lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "

@@ -11,9 +11,10 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   ``details()``, read once they ran; its ``summary`` replaces the family's default text in
   the summary line, and the dict goes into the JSON report. A family keeps no state between
   runs: what its steps find out lives in the plan (a dict their closures share);
-- with ``ahead=True`` in the table, the family is planned and run just before vLLM's own
-  ``kernel_warmup`` (``kwarm_ext.warmup.ahead``), for work that makes vLLM's warmup
-  cheaper (``deep_gemm`` fills DeepGEMM's cache on every core before vLLM compiles serially);
+- with ``ahead=True`` in the table, the family is planned and run before vLLM's profile run
+  (``Worker.determine_available_memory``; where that hook did not run it, before ``kernel_warmup``:
+  ``kwarm_ext.warmup.ahead``), for work that makes vLLM's own start cheaper (``deep_gemm`` fills
+  DeepGEMM's cache on every core before vLLM's profile run and warmup compile serially);
   its result is part of the worker's summary line and report;
 - with ``after_capture=True`` in the table, the family is planned and run once
   ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
@@ -40,7 +41,7 @@ class Family:
     summary: str
     upstream: str = ""  # what vLLM's own warmups cover of it, and what kwarm adds (kwarm doctor)
     after_capture: bool = False  # planned and run after compile_or_warm_up_model
-    ahead: bool = False  # planned and run before vLLM's kernel_warmup
+    ahead: bool = False  # planned and run before vLLM's profile run (else its kernel_warmup)
 
     def load(self):
         return importlib.import_module(self.module)
@@ -72,12 +73,13 @@ FAMILIES = {
     for f in (
         Family("deep_gemm", "kwarm_ext.kernels.deep_gemm",
                "block-FP8 models: DeepGEMM's GEMM kernels for every weight vLLM runs on DeepGEMM and "
-               "every token count or grouped layout that selects one, compiled first on every core of "
-               "the rank (child processes on the engine's weights through CUDA IPC), so that vLLM's "
-               "warmup loads them",
-               "vLLM compiles its own list one by one (deep_gemm_warmup, 0.20-0.33) and skips weights whose N "
-               "is not a multiple of 128 and grouped layouts between its counts; kwarm compiles all of "
-               "them in parallel before it", ahead=True),
+               "every token count or grouped layout that selects one, compiled before vLLM's profile run "
+               "on every core of the rank (child processes on the engine's weights through CUDA IPC), so "
+               "that the profile run and vLLM's warmup load them",
+               "vLLM compiles its profile run's kernels and then its own list one by one (deep_gemm_warmup, "
+               "0.20-0.33); before 0.33 it skips weights whose N is not a multiple of 128, and every "
+               "release skips grouped layouts between its counts; kwarm compiles all of them in "
+               "parallel first", ahead=True),
         Family("replay", "kwarm_ext.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",

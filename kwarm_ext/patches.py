@@ -2,7 +2,9 @@
 wrapper, releases, what is lost without it) and applied, checked and removed by one :class:`Patch`.
 Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6 (documented at
 ``triton_compat._wrap_serialize_specialization_data``, defined beside what it wraps). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
-warmup), ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
+warmup), ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory`` (kwarm's ``ahead`` families before
+vLLM's profile run, documented at :func:`_wrap_determine_available_memory`),
+``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
 before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
@@ -87,6 +89,14 @@ def is_patched(module) -> bool:
     return KERNEL_WARMUP.applied(module)
 
 
+def patch_before_profile(module) -> bool:
+    return BEFORE_PROFILE.apply(module)
+
+
+def is_before_profile_patched(module) -> bool:
+    return BEFORE_PROFILE.applied(module)
+
+
 def patch_after_capture(module) -> bool:
     return AFTER_CAPTURE.apply(module)
 
@@ -118,6 +128,38 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
 
         warmup.run(worker)  # isolates each of its own steps
     return result
+
+
+def _wrap_determine_available_memory(wrapped, instance, args, kwargs):
+    """Run kwarm's ``ahead`` families (``deep_gemm``), then vLLM's
+    ``Worker.determine_available_memory``.
+
+    Why: its profile run is the model's first forward, at ``max_num_batched_tokens`` tokens. On a
+    block-FP8 model every linear weight's DeepGEMM kernel for that count is compiled there by NVCC,
+    one after another, before ``kernel_warmup`` is reached: 41 s of a 237 s cold start for GLM-5's
+    FP8 dimensions on vLLM 0.29.0 (BENCHMARKS.md; 4 s on a run whose DeepGEMM kernels were
+    built). Run first, ``deep_gemm`` compiles those with all the others on every core, and
+    the profile run loads them. Its child processes have exited, and its scratch memory is back
+    with the driver, before vLLM's memory profiling starts: that measures what it always measured.
+    Where this wrapper could not run them, the families run before ``kernel_warmup`` as before
+    (:func:`_wrap_kernel_warmup`; once per worker either way).
+    vLLM versions: 0.20-0.33, where ``Worker.determine_available_memory`` runs the profile run.
+    It can go with ``deep_gemm`` (when vLLM compiles DeepGEMM's kernels in parallel or ships them).
+    """
+    with fail_open("warmup ahead of vLLM's profile run failed, it runs before vLLM's kernel warmup instead"):
+        from kwarm_ext import warmup
+
+        if any(result.status == "ran" for result in warmup.ahead(instance)):
+            release_cached_memory()
+    return wrapped(*args, **kwargs)
+
+
+def release_cached_memory() -> None:
+    """Give what torch's caching allocator holds unused (kwarm's scratch) back to the driver."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
@@ -195,9 +237,11 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
 # The table: every patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
+BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determine_available_memory, "0.20-0.33",
+                       "DeepGEMM kernels of vLLM's profile run compile there one by one", owner="Worker")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
                       "kwarm's after-capture steps will not run, and on vLLM 0.28-0.32 what start-up "
                       "torch.compiles is compiled again on the first request", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-PATCHES = (SERIALIZER, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
+PATCHES = (SERIALIZER, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

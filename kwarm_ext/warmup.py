@@ -1,7 +1,8 @@
 """kwarm's warmup, run on each worker right after vLLM's own ``kernel_warmup``.
 
-Before vLLM's ``kernel_warmup``, :func:`ahead` runs the families marked ``ahead`` (work that
-makes vLLM's own warmup cheaper); their results join this worker's summary and report.
+Before vLLM's profile run (or, failing that, its ``kernel_warmup``), :func:`ahead` runs the
+families marked ``ahead`` (work that makes vLLM's own start cheaper); their results join this
+worker's summary and report.
 Order: the engine view, then each selected family's steps (``replay`` first), then, with
 ``KWARM_LEARN``, the recorder starts (``KWARM_LEARN=all``: before the families). Once
 ``Worker.compile_or_warm_up_model`` has returned (CUDA-graph capture done),
@@ -109,10 +110,12 @@ def run(worker) -> dict:
 
 
 def ahead(worker) -> list:
-    """Run the selected ``ahead`` families on `worker`, before vLLM's own ``kernel_warmup``;
-    their results (and seconds) go into the summary line and report of :func:`run`."""
+    """Run the selected ``ahead`` families on `worker`, before vLLM's profile run
+    (``Worker.determine_available_memory``) or, where that hook did not run them, before its
+    ``kernel_warmup``: once per warmup run, the second call returns []. Their results (and
+    seconds) go into the summary line and report of :func:`run`."""
     names = [name for name, family in FAMILIES.items() if family.ahead]
-    if not names:
+    if not names or id(worker) in _ahead:
         return []
     settings = config.get()
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ how a failing child is reported. What it saves is measured on the GPU (BENCHMARK
 from __future__ import annotations
 
 
+import json
 import math
 import time
 
@@ -152,10 +153,11 @@ def test_linear_layers_vllm_runs_on_deep_gemm_count_though_its_warmup_filter_lea
 
 
 def _moe_layer(experts):
-    """A MoE layer as the family reads it: ``quant_method.fused_experts.fused_experts``."""
+    """A MoE layer where vLLM's warmup filter reads its experts (``_fused_moe_grouped_gemm_may_use_deep_gemm``:
+    the MoERunner's ``_quant_method.moe_kernel.impl.fused_experts``)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(quant_method=SimpleNamespace(fused_experts=SimpleNamespace(fused_experts=experts)))
+    return SimpleNamespace(_quant_method=SimpleNamespace(moe_kernel=SimpleNamespace(impl=SimpleNamespace(fused_experts=experts))))
 
 
 def _vllm_layouts(ms, top_k=8, experts=256):
@@ -193,6 +195,57 @@ def test_grouped_layouts_are_every_m_sum_a_batch_reaches_including_those_vllms_l
     # DP ranks' tokens meet in one MoE call, as vLLM's warmup assumes
     monkeypatch.setattr(w_mod, "get_dp_group", lambda: SimpleNamespace(world_size=2))
     assert dg.grouped_layouts(layer, w13, w2, 8, 4096) == layouts
+
+
+def test_the_family_reads_a_moe_layers_experts_where_vllms_own_filter_does(monkeypatch):
+    # vLLM's real MoERunner (its _quant_method is the routed experts' quant method) and real
+    # TritonOrDeepGemmExperts; vLLM's real warmup filter takes the layer, and the family finds the
+    # same experts object, hence vLLM's real test of which batches go to DeepGEMM
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")
+    monkeypatch.setenv("VLLM_MOE_USE_DEEP_GEMM", "1")
+    experts = object.__new__(TritonOrDeepGemmExperts)
+    config = SimpleNamespace(quant_dtype=torch.float8_e4m3fn, block_shape=[128, 128])
+    method = SimpleNamespace(get_fused_moe_quant_config=lambda layer: config,
+                             moe_kernel=SimpleNamespace(impl=SimpleNamespace(fused_experts=experts)))
+    runner = object.__new__(MoERunner)
+    torch.nn.Module.__init__(runner)
+    runner.routed_experts = SimpleNamespace(quant_method=method)
+    monkeypatch.setattr(w_mod, "get_mk_alignment_for_contiguous_layout", lambda: [128, 128])
+    assert w_mod._fused_moe_grouped_gemm_may_use_deep_gemm(runner)
+    assert dg.fused_experts(runner) is experts
+    takes = dg._deep_gemm_takes(runner)
+    assert takes is not None and takes.__name__ == "_valid_deep_gemm_shape"
+    assert dg.fused_experts(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("release", ["0.28.0", "0.33.0"])
+def test_the_linear_layers_come_from_each_releases_own_warmup_module(release):
+    # 0.33 replaced the warmup's filter on the layer (_fp8_linear_may_use_deep_gemm) with the
+    # DeepGEMM kernel's own stamp (_deep_gemm_linear_data): the family reads whichever the release has
+    from conftest import cpu_triton_env, run_py
+
+    code = """
+import json, torch
+from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+from kwarm_ext.kernels import deep_gemm as dg
+print(json.dumps({"gaps": dg.warmup_gaps(w_mod), "stamped": hasattr(w_mod, "_deep_gemm_linear_data"),
+                  "plain_linear": dg.linear_data(w_mod, torch.nn.Linear(4, 4)),
+                  "without": dg.warmup_gaps(type("M", (), {})())}))
+"""
+    proc = run_py(code, env=cpu_triton_env(), release=release)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["gaps"] == [] and out["stamped"] is (release == "0.33.0")
+    assert out["plain_linear"] is None  # a bf16 nn.Linear runs on no DeepGEMM kernel
+    assert out["without"] == ["_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
+                              "_extract_data_from_fused_moe_module", "_get_grouped_gemm_params",
+                              "_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module"]
 
 
 def test_a_failing_child_is_one_line_naming_its_error(tmp_path):

@@ -124,12 +124,13 @@ def test_hook_target_exists_and_wraps_in_each_release(release):
     import vllm, vllm.v1.worker.gpu_worker as g
     from kwarm_ext import patches
     print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g),
-                      "after_capture": patches.is_after_capture_patched(g)}))
+                      "after_capture": patches.is_after_capture_patched(g),
+                      "before_profile": patches.is_before_profile_patched(g)}))
     """
     proc = run_py(code, env=cpu_triton_env(), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True,
-                                                                 "after_capture": True}
+                                                                 "after_capture": True, "before_profile": True}
 
 
 def _worker_module(original):
@@ -183,6 +184,51 @@ def test_after_capture_failure_is_one_warning_and_vllms_error_is_vllms(monkeypat
     assert ran == []
 
 
+def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch, kwarm_env, kwarm_log):
+    """deep_gemm (an ``ahead`` family) runs before ``Worker.determine_available_memory`` (vLLM's
+    profile run compiles DeepGEMM kernels one by one); kernel_warmup's wrapper then finds it done,
+    and the worker's summary line lists it once."""
+    import types
+
+    from kwarm_ext import patches, warmup
+    from test_faults import stand_in_worker
+
+    kwarm_env(KWARM_WARMUPS="deep_gemm,runner")
+    planned, calls = [], []
+    real_ahead = warmup.ahead
+    monkeypatch.setattr(warmup, "ahead", lambda worker: planned.append([r.name for r in real_ahead(worker)]) or [])
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"determine_available_memory": lambda self: calls.append(list(planned)) or 7})
+    module.kernel_warmup = lambda worker: calls.append("vllm kernel_warmup")
+    assert patches.patch_before_profile(module) is True and patches.is_before_profile_patched(module)
+    assert patches.patch(module) is True
+    worker = module.Worker()
+    vars(worker).update(vars(stand_in_worker()))
+    assert worker.determine_available_memory() == 7
+    assert calls == [[["deep_gemm"]]], "planned before vLLM's profile run"
+    module.kernel_warmup(worker)
+    assert planned == [["deep_gemm"], []], "kernel_warmup's wrapper does not plan it again"
+    assert calls[-1] == "vllm kernel_warmup"
+    done = [r.getMessage() for r in kwarm_log.records if "warmup done" in r.getMessage()]
+    assert len(done) == 1 and done[0].count("deep_gemm") == 1 and "runner device cpu is not CUDA" in done[0]
+
+
+def test_a_failing_ahead_before_the_profile_run_is_one_warning(monkeypatch, kwarm_env, kwarm_log):
+    import types
+
+    from kwarm_ext import patches, warmup
+
+    kwarm_env()
+    monkeypatch.setattr(warmup, "ahead", lambda worker: 1 / 0)
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"determine_available_memory": lambda self: 42})
+    patches.patch_before_profile(module)
+    assert module.Worker().determine_available_memory() == 42
+    assert [m for m in kwarm_log.messages() if "profile run" in m] == [
+        "kwarm: warmup ahead of vLLM's profile run failed, it runs before vLLM's kernel warmup instead: "
+        "ZeroDivisionError: division by zero"]
+
+
 def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
     """The contract of the one patch table, on the real vLLM modules: each target exists,
     a second apply does not double-wrap, remove restores the very original, twice is a no-op."""
@@ -204,7 +250,8 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
         assert entry.current(module) is original, f"{entry.target}: not the original after remove"
         assert entry.remove(module) is False
     assert {e.target for e in patches.PATCHES} == {
-        "triton.runtime.jit.serialize_specialization_data", "vllm.v1.worker.gpu_worker.kernel_warmup", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
+        "triton.runtime.jit.serialize_specialization_data", "vllm.v1.worker.gpu_worker.kernel_warmup",
+        "vllm.v1.worker.gpu_worker.Worker.determine_available_memory", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
         "vllm.v1.engine.input_processor.InputProcessor.__init__"}
 
 
