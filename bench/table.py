@@ -33,8 +33,11 @@ def owners() -> dict:
 
 
 def owner(kernel: str) -> str:
-    """The family that should own `kernel` (a Triton qualname; only its last part counts)."""
-    return owners().get(kernel.rsplit(".", 1)[-1], LEARN_AND_REPLAY)
+    """The family that should own `kernel` (a Triton qualname): by its last two parts (a kernel
+    method of a class, ``BuildPrefillChunkMetadataKernel.kernel`` on vLLM 0.33), else its last."""
+    parts = kernel.split(".")
+    found = owners()
+    return found.get(".".join(parts[-2:])) or found.get(parts[-1], LEARN_AND_REPLAY)
 
 
 # ---------------------------------------------------------------------------- loading

@@ -98,6 +98,8 @@ def test_ownership_mapping(run):
     assert table.owner("vllm.v1.worker.block_table._compute_slot_mapping_kernel") == "runner"
     assert table.owner("_build_prefill_chunk_metadata_kernel") == "dsa_indexer"
     assert table.owner("_convert_req_index_to_global_index_kernel") == "dsa_indexer"
+    assert table.owner("BuildPrefillChunkMetadataKernel.kernel") == "dsa_indexer"  # vLLM 0.33's name
+    assert table.owner("SomeOtherKernel.kernel") == "learn-and-replay"
     assert table.owner("fused_moe_kernel") == "fused_moe"
     assert table.owner("kernel_unified_attention") == "triton_attn"
     assert table.owner("some_kernel_no_family_declares") == "learn-and-replay"

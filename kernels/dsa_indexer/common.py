@@ -14,7 +14,8 @@ INDEXER_BACKEND = "DEEPSEEK_V32_INDEXER"
 SPARSE_MLA_BACKEND = "FLASHMLA_SPARSE"
 CHUNK_KERNEL = "_build_prefill_chunk_metadata_kernel"
 CONVERT_KERNEL = "_convert_req_index_to_global_index_kernel"
-TRITON_KERNELS = (CHUNK_KERNEL, CONVERT_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
+CHUNK_KERNEL_033 = "BuildPrefillChunkMetadataKernel.kernel"  # the same kernel, a JIT-kernel class's on 0.33+
+TRITON_KERNELS = (CHUNK_KERNEL, CHUNK_KERNEL_033, CONVERT_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
 
 _INDEXER = "vllm.v1.attention.backends.mla.indexer"
 _SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
