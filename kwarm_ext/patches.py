@@ -136,7 +136,7 @@ def _wrap_determine_available_memory(wrapped, instance, args, kwargs):
 
     Why: its profile run is the model's first forward, at ``max_num_batched_tokens`` tokens. On a
     block-FP8 model every linear weight's DeepGEMM kernel for that count is compiled there by NVCC,
-    one after another, before ``kernel_warmup`` is reached: 41 s of a 237 s cold start for GLM-5's
+    one after another, before ``kernel_warmup`` is reached: 40 s of a 237 s cold start for GLM-5's
     FP8 dimensions on vLLM 0.29.0 (BENCHMARKS.md; 4 s on a run whose DeepGEMM kernels were
     built). Run first, ``deep_gemm`` compiles those with all the others on every core, and
     the profile run loads them. Its child processes have exited, and its scratch memory is back
@@ -236,7 +236,7 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
 
 # The table: every patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
-                      "kwarm's warmup will not run", announce="kwarm's ahead families run before vLLM's warmup, the others after it")
+                      "kwarm's warmup will not run", announce="kwarm's families run after vLLM's warmup (its ahead families, deep_gemm, before vLLM's profile run)")
 BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determine_available_memory, "0.20-0.33",
                        "DeepGEMM kernels of vLLM's profile run compile there one by one", owner="Worker")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
