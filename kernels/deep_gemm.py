@@ -265,7 +265,16 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
     slowest = max(o["seconds"] for o in outcomes)
     return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls "
             f"in {len(work)} runs pulled by {len(outcomes)} processes; {new} kernels new in {cache}, "
-            f"{wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls)"]
+            f"{wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls; "
+            f"longest runs {longest_runs(work, jobs, outcomes)})"]
+
+
+def longest_runs(work: list, jobs: list, outcomes: list, top: int = 3) -> str:
+    """The `top` runs that took longest, from the children's ``run_s``: what keeps the last
+    process busy after the others ran out of work (``2624x6144 M 1024-3968 21 s``)."""
+    timed = sorted((s, i) for o in outcomes for i, s in o.get("run_s", ()))[::-1][:top]
+    return ", ".join(f"{'x'.join(map(str, jobs[work[i][0]]['w'].shape[-2:]))} M {work[i][1][0][0]}-"
+                     f"{work[i][1][-1][0]} {s:.0f} s" for s, i in timed) or "-"
 
 
 def _cache_dir() -> str:
@@ -398,16 +407,16 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     return outcomes
 
 
-def claimed(work: list, claims: str):
-    """The runs of `work` this process claims, in order: a run is this process's when it
-    creates the run's file in `claims` first (``O_EXCL``), so processes walking the same
-    list share it out as they go, each run to exactly one of them."""
+def claimed(work: list, claims: str, indexed: bool = False):
+    """The runs of `work` this process claims, in order (with `indexed`, ``(index, run)``): a
+    run is this process's when it creates the run's file in `claims` first (``O_EXCL``), so
+    processes walking the same list share it out as they go, each run to exactly one of them."""
     for i, run in enumerate(work):
         try:
             os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue  # another process took it
-        yield run
+        yield (i, run) if indexed else run
 
 
 def child() -> None:
@@ -420,9 +429,14 @@ def child() -> None:
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     calls = runs = 0
+    run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
     t0 = time.perf_counter()
-    for j, counts in claimed(payload["work"], payload["claims"]):
+    for i, (j, counts) in claimed(payload["work"], payload["claims"], indexed=True):
+        started = time.perf_counter()
         calls += run_counts([payload["jobs"][j]], [counts], payload["buffers"])
         runs += 1
+        if time.perf_counter() - started >= 1.0:
+            run_s.append([i, round(time.perf_counter() - started, 2)])
     torch.cuda.synchronize()
-    print(json.dumps({"calls": calls, "runs": runs, "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+    print(json.dumps({"calls": calls, "runs": runs, "seconds": round(time.perf_counter() - t0, 3),
+                      "run_s": run_s}), flush=True)

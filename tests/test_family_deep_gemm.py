@@ -39,10 +39,24 @@ def test_chunks_cover_every_count_once_in_runs_of_two_doublings_interleaved_acro
 
 
 def _claim_all(work, claims, out):
-    for run in dg.claimed(work, claims):
+    for i, run in dg.claimed(work, claims, indexed=True):
+        assert work[i] == run
         time.sleep(0.002)  # a call's worth of work, so that the processes interleave
         out.put(run)
     out.put(None)
+
+
+def test_the_summary_names_the_runs_that_took_longest():
+    # the children's timings of the runs that compiled, by index in the work list: the summary
+    # names each by its weight (N x K) and its range of M, longest first
+    jobs = [{"w": torch.empty(2624, 6144, device="meta")}, {"w": torch.empty(8, 16384, 6144, device="meta")}]
+    work = [(0, [(1, None, None), (2, None, None)]), (1, [(128, 128, None), (384, 128, None)]),
+            (0, [(1024, None, None), (3968, None, None)])]
+    outcomes = [{"run_s": [[2, 21.4], [0, 3.3]]}, {"run_s": [[1, 9.9]]}, {"calls": 0}]
+    assert dg.longest_runs(work, jobs, outcomes) == \
+        "2624x6144 M 1024-3968 21 s, 16384x6144 M 128-384 10 s, 2624x6144 M 1-2 3 s"
+    assert dg.longest_runs(work, jobs, outcomes, top=1) == "2624x6144 M 1024-3968 21 s"
+    assert dg.longest_runs(work, jobs, [{"run_s": []}]) == "-"  # nothing compiled
 
 
 def test_processes_walking_one_work_list_each_run_it_once(tmp_path):
