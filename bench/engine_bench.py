@@ -134,10 +134,24 @@ def build_scenario(name: str) -> list[Request]:
             out.append(dataclasses.replace(first, seed=i + 1))
             out.append(dataclasses.replace(first, label=first.label + " (repeat)", repeat_of=i, seed=i + 2))
         return out
+    if name == "mla-splits":
+        # TRITON_MLA's decode splits each KV sequence into the next power of two of
+        # max_seq_len // 512 parts (NUM_KV_SPLITS, a constexpr): a new one when the longest
+        # context reaches 1024, 1536, 2560 (then 4608, past the default max_model_len 4096).
+        # Each decode starts 32 tokens short of one of them and crosses it mid-generation,
+        # followed by its repeat; the first pair stays at one split.
+        out = []
+        for crosses in (None, 1024, 1536, 2560):
+            length = 200 if crosses is None else crosses - 32
+            first = Request(f"decode 1x{length} +64" + (f" (context crosses {crosses})" if crosses else ""),
+                            1, length, max_tokens=64, seed=len(out) + 1)
+            out += [first, dataclasses.replace(first, label=first.label + " (repeat)", repeat_of=len(out),
+                                               seed=len(out) + 2)]
+        return out
     raise ValueError(f"unknown scenario {name!r}")
 
 
-SCENARIOS = ("default", "smoke", "pairs")
+SCENARIOS = ("default", "smoke", "pairs", "mla-splits")
 
 
 # ------------------------------------------------------------------------ arguments

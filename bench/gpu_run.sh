@@ -46,7 +46,8 @@
 #                         that learned); 0: families only (KWARM_WARMUPS=-replay, no manifest)
 #   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores (0: no; a
 #                         pattern such as "*qwen*": those manifests only)
-#   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat)
+#   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat) |
+#                         mla-splits (decodes crossing each TRITON_MLA NUM_KV_SPLITS step, with repeats)
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
 #   COLD_TIMEOUT=360      cap of one cold run (s)
 #   GPU_UTIL=0.2          --gpu-memory-utilization of each engine
@@ -187,6 +188,7 @@ print('vllm.general_plugins:', sorted(e.name for e in md.entry_points(group='vll
 model_args() {
   case $1 in
     *qwen3-next*|*qwen3-5*) echo "--attention-backend TRITON_ATTN" ;;  # no flash-attn binaries staged
+    tiny-deepseek-v3) echo "--attention-backend TRITON_MLA" ;;          # dense MLA (prefill: FlashAttention 3)
     *) echo "" ;;                                                       # MLA: FLASHMLA_SPARSE
   esac
 }

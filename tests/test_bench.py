@@ -446,6 +446,43 @@ def test_default_scenario():
         engine_bench.build_scenario("nope")
 
 
+def test_mla_splits_scenario_crosses_each_split_step_of_triton_mla_mid_generation():
+    # vLLM's own split rule (0.33's _compute_num_kv_splits, at an H200's 132 SMs): each first
+    # decode starts at one split count and ends at the next; each has a same-shape repeat
+    from conftest import cpu_triton_env, run_py
+
+    scenario = engine_bench.build_scenario("mla-splits")
+    assert [r.repeat_of for r in scenario] == [None, 0, None, 2, None, 4, None, 6]
+    assert len({r.seed for r in scenario}) == 8 and all(r.batch == 1 and r.max_tokens == 64 for r in scenario)
+    spans = [(r.length + 1, r.length + r.max_tokens) for r in scenario[::2]]  # contexts of its decode steps
+    proc = run_py(f"""
+import json
+from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+print(json.dumps([[_compute_num_kv_splits(n, 132) for n in span] for span in {spans}]))
+""", env=cpu_triton_env(), release="0.33.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[1, 1], [1, 2], [2, 4], [4, 8]]
+    assert all(r.length + r.max_tokens <= 4096 for r in scenario)  # the default --max-model-len
+    assert engine_bench.parse_args(["tiny-deepseek-v3", "--scenario", "mla-splits"]).scenario == "mla-splits"
+
+
+def test_tiny_deepseek_v3_is_dense_mla_that_gpu_run_puts_on_triton_mla():
+    # transformers' own config class and vLLM's registry; no DSA indexer, so the MLA layers run
+    # the backend gpu_run.sh names for it (the indexer models stay on vLLM's choice)
+    from transformers import AutoConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    cfg = AutoConfig.from_pretrained(BENCH / "models" / "tiny-deepseek-v3")
+    assert type(cfg).__name__ == "DeepseekV3Config" and cfg.kv_lora_rank == 512
+    assert cfg.architectures[0] in ModelRegistry.get_supported_archs()
+    assert not hasattr(cfg, "index_topk")
+    model_args = {m: subprocess.run(["bash", "-c", f'eval "$(sed -n "/^model_args()/,/^}}/p" {BENCH / "gpu_run.sh"})"; '
+                                                   f"model_args {m}"], capture_output=True, text=True).stdout.strip()
+                  for m in ("tiny-deepseek-v3", "tiny-deepseek-v32", "deepseek-v32-2l", "tiny-qwen3-next")}
+    assert model_args == {"tiny-deepseek-v3": "--attention-backend TRITON_MLA", "tiny-deepseek-v32": "",
+                          "deepseek-v32-2l": "", "tiny-qwen3-next": "--attention-backend TRITON_ATTN"}
+
+
 def test_pairs_scenario():
     scenario = engine_bench.build_scenario("pairs")
     assert len(scenario) == 16
