@@ -721,17 +721,24 @@ def gpu_run_env(tmp_path, **extra) -> dict:
     return env
 
 
-def test_gpu_run_kwarm_env_and_model_args(tmp_path):
-    env = gpu_run_env(tmp_path, KWARM_ENV="KWARM_BUDGET=auto KWARM_WARMUPS=-fused_moe",
-                      MODEL_ARGS_tiny_qwen3_next="--gpu-memory-utilization 0.5 --settle-s 1",
-                      MODEL_ARGS_tiny_deepseek_v32="--max-num-seqs 3", BENCH_ARGS="--max-num-seqs 8",
-                      SCENARIO="pairs")
+def gpu_run(tmp_path, env):
+    """Run gpu_run.sh (successfully) in `env`: its process, its output folder and the results
+    of the tiny Qwen3-Next's runs by tag (``off-cold``, ``on-replay``, ...)."""
     proc = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "work" / "out"
     runs = {p.name.split("kwarm", 1)[1].removesuffix(".json"): json.loads(p.read_text())
             for p in out.glob("tiny-qwen3-next-vllm9.9-kwarm*.json")}
+    return proc, out, runs
+
+
+def test_gpu_run_kwarm_env_and_model_args(tmp_path):
+    env = gpu_run_env(tmp_path, KWARM_ENV="KWARM_BUDGET=auto KWARM_WARMUPS=-fused_moe",
+                      MODEL_ARGS_tiny_qwen3_next="--gpu-memory-utilization 0.5 --settle-s 1",
+                      MODEL_ARGS_tiny_deepseek_v32="--max-num-seqs 3", BENCH_ARGS="--max-num-seqs 8",
+                      SCENARIO="pairs")
+    proc, out, runs = gpu_run(tmp_path, env)
     assert sorted(runs) == ["off-cold", "off-warm", "on-cold", "on-replay", "on-warm"]  # structure unchanged
     for tag, res in runs.items():
         argv = res["fake_argv"]
@@ -762,12 +769,7 @@ def test_gpu_run_kwarm_env_and_model_args(tmp_path):
 
 def test_gpu_run_floor_is_vllm_alone_on_the_cold_runs_deepgemm_kernels(tmp_path):
     env = gpu_run_env(tmp_path, FLOOR="1", WARM="0", LEARN="0", SCENARIO="pairs", ON_ARGS="--deepgemm-sweep")
-    proc = subprocess.run(["bash", str(BENCH / "gpu_run.sh")], env=env, capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = tmp_path / "work" / "out"
-    runs = {p.name.split("kwarm", 1)[1].removesuffix(".json"): json.loads(p.read_text())
-            for p in out.glob("tiny-qwen3-next-vllm9.9-kwarm*.json")}
+    proc, out, runs = gpu_run(tmp_path, env)
     assert sorted(runs) == ["off-cold", "off-floor", "on-cold"]  # one floor, after the kwarm-on cold run
     floor, argv = runs["off-floor"], runs["off-floor"]["fake_argv"]
     assert floor["kwarm"] == "off" and floor["variant"] == "DeepGEMM built"
