@@ -272,7 +272,7 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
 def longest_runs(work: list, jobs: list, outcomes: list, top: int = 3) -> str:
     """The `top` runs that took longest, from the children's ``run_s``: what keeps the last
     process busy after the others ran out of work (``2624x6144 M 1024-3968 21 s``)."""
-    timed = sorted((s, i) for o in outcomes for i, s in o.get("run_s", ()))[::-1][:top]
+    timed = sorted(((s, i) for o in outcomes for i, s in o.get("run_s", ())), reverse=True)[:top]
     return ", ".join(f"{'x'.join(map(str, jobs[work[i][0]]['w'].shape[-2:]))} M {work[i][1][0][0]}-"
                      f"{work[i][1][-1][0]} {s:.0f} s" for s, i in timed) or "-"
 
@@ -407,16 +407,16 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     return outcomes
 
 
-def claimed(work: list, claims: str, indexed: bool = False):
-    """The runs of `work` this process claims, in order (with `indexed`, ``(index, run)``): a
-    run is this process's when it creates the run's file in `claims` first (``O_EXCL``), so
-    processes walking the same list share it out as they go, each run to exactly one of them."""
+def claimed(work: list, claims: str):
+    """The runs of `work` this process claims, in order, as ``(index, run)``: a run is this
+    process's when it creates the run's file in `claims` first (``O_EXCL``), so processes
+    walking the same list share it out as they go, each run to exactly one of them."""
     for i, run in enumerate(work):
         try:
             os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue  # another process took it
-        yield (i, run) if indexed else run
+        yield i, run
 
 
 def child() -> None:
@@ -431,7 +431,7 @@ def child() -> None:
     calls = runs = 0
     run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
     t0 = time.perf_counter()
-    for i, (j, counts) in claimed(payload["work"], payload["claims"], indexed=True):
+    for i, (j, counts) in claimed(payload["work"], payload["claims"]):
         started = time.perf_counter()
         calls += run_counts([payload["jobs"][j]], [counts], payload["buffers"])
         runs += 1

@@ -39,7 +39,7 @@ def test_chunks_cover_every_count_once_in_runs_of_two_doublings_interleaved_acro
 
 
 def _claim_all(work, claims, out):
-    for i, run in dg.claimed(work, claims, indexed=True):
+    for i, run in dg.claimed(work, claims):
         assert work[i] == run
         time.sleep(0.002)  # a call's worth of work, so that the processes interleave
         out.put(run)
