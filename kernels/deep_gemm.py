@@ -27,11 +27,13 @@ own code, not from a list of its own:
 - MoE layers: every grouped layout a batch can produce (:func:`grouped_layouts`), where vLLM's
   list samples half of them.
 It probes one call, and when that call compiled (the cache is cold), cuts every weight's
-counts into runs of two doublings of M and lets child processes, one per core of this rank,
-pull the runs across weights until none is left (:func:`chunks`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
+counts into short runs and lets child processes, one per core of this rank, pull the runs
+across weights until none is left (:func:`chunks`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
 the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
 their outputs are thrown away). vLLM's warmup then loads every kernel from the cache. On a
-warm cache the probe is a load (milliseconds) and nothing is spawned.
+warm cache the probe is a load (milliseconds) and nothing is spawned; on a cache that holds no
+DeepGEMM GEMM at all the children start before the probe, so that their imports (torch and
+vLLM, seconds each) run while it compiles.
 
 Upstream: vLLM 0.20-0.33 compile these kernels serially (``deep_gemm_warmup``); vLLM issue
 #49905 is about the entry points that warmup misses, not its speed. This family can go when
@@ -64,7 +66,7 @@ COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load 
 CHILD_TIMEOUT_S = 1800.0
 MAX_CHILDREN = 16
 CHILD_GPU_BYTES = 1 << 30  # a child's CUDA context and DeepGEMM's workspace, with room to spare
-CHUNK_OCTAVES = 2.0  # a run of the work list spans at most this many doublings of M (chunks)
+RUN_COUNTS = 8  # a run of the work list holds at most this many of one weight's token counts (chunks)
 
 
 def applies(view) -> str | None:
@@ -216,29 +218,34 @@ def _deep_gemm_takes(module):
     return getattr(owner, "_valid_deep_gemm_shape", None)
 
 
-def chunks(counts_per_job: list, octaves: float = CHUNK_OCTAVES) -> list:
-    """The work list the children pull from: ``[(job index, counts)]``, each a run of one
-    weight's token counts (sorted) spanning at most `octaves` doublings, every count once,
-    interleaved across weights (each weight's first run, then each one's second, ...).
+def chunks(counts_per_job: list, size: int = RUN_COUNTS) -> list:
+    """The work list the children pull from: ``[(job index, counts)]``, each a run of at most
+    `size` consecutive token counts of one weight (sorted by M), every count once; each
+    weight's runs in :func:`spread` order, interleaved across weights (each weight's first run,
+    then each one's second, ...).
 
-    DeepGEMM compiles N and K into a kernel, and picks its block sizes and multicast from
-    the waves a count makes, so one weight's kernels change about once or twice per doubling
-    of M; a run of counts compiles few kernels, and neighbouring runs share some. Children
-    that pull runs of different weights at the same time seldom compile one kernel twice;
-    a child that finishes early takes the next run instead of waiting on a weight another
-    child holds. Measured on the H200 (BENCHMARKS.md, FP8 on vLLM 0.29.0): whole weights per
-    child and slices of the longest lists took 104-127 s for 112-118 kernels on 15
-    processes, against about 25 s of compile work per process (3.3 s a kernel); a weight
-    with 24 kernels held one process the whole time."""
+    DeepGEMM compiles N and K into a kernel and picks its block sizes and multicast from the
+    waves a count makes, so a weight's kernels cluster where vLLM's list is dense (its wave
+    boundaries, a few hundred tokens on 132 SMs) and a run of a few counts compiles at most a
+    kernel or two: no run keeps one process busy while the others are done. Runs of one weight
+    taken at the same time lie far apart in M, so two processes seldom compile one kernel
+    twice; the runs left for last lie between runs already done, whose kernels they mostly
+    load. Measured on the H200 (BENCHMARKS.md, FP8 on vLLM 0.29.0): runs of two doublings of M
+    built 126 kernels in 56 s on 15 processes, the last 26 s spent on the three runs of M
+    256-1024 (about 8 kernels each)."""
     runs = []
     for j, counts in enumerate(counts_per_job):
-        own = []
-        for count in sorted(counts, key=lambda c: c[0]):
-            if not own or math.log2(count[0] / own[-1][0][0]) >= octaves:
-                own.append([])
-            own[-1].append(count)
-        runs.append([(j, run) for run in own])
+        ordered = sorted(counts, key=lambda c: c[0])
+        own = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+        runs.append([(j, own[i]) for i in spread(len(own))])
     return [run for level in itertools.zip_longest(*runs) for run in level if run is not None]
+
+
+def spread(n: int) -> list:
+    """``range(n)`` in van der Corput order (0, n/2, n/4, 3n/4, ...): each index lies in the
+    middle of the largest gap the ones before it leave."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
 
 
 def compile_ahead(jobs: list, device: str, tp_size) -> list:
@@ -248,25 +255,36 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
 
     cache = _cache_dir()
     before = cached_kernels(cache)
-    probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
-    t0 = time.perf_counter()
-    run_counts(probe, [probe[0]["counts"]], _buffers(probe, device))
-    torch.cuda.synchronize(device)
-    probe_s = time.perf_counter() - t0
-    if probe_s < COLD_PROBE_S:
-        return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
-    buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     work = chunks([job["counts"] for job in jobs])
-    t0 = time.perf_counter()
-    outcomes = run_children(work, min(children, len(work)), jobs, buffers, device)
+    children = min(children, len(work))
+    early = start_children(children) if cached_kernels(cache, "gemm") == 0 else []
+    try:
+        probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
+        t0 = time.perf_counter()
+        run_counts(probe, [probe[0]["counts"]], _buffers(probe, device))
+        torch.cuda.synchronize(device)
+        probe_s = time.perf_counter() - t0
+        if probe_s < COLD_PROBE_S:
+            return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+        buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
+        t0 = time.perf_counter()
+        outcomes = run_children(work, children, jobs, buffers, device, started=early)
+    finally:
+        for proc, out, err in early:  # unused (warm probe) or failed: none outlives the step
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
-    slowest = max(o["seconds"] for o in outcomes)
-    return [f"probe {probe_s:.1f} s (compiled); {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls "
-            f"in {len(work)} runs pulled by {len(outcomes)} processes; {new} kernels new in {cache}, "
-            f"{wall_s:.0f} s ({new / wall_s:.2f} kernels/s; slowest process {slowest:.0f} s of calls; "
-            f"longest runs {longest_runs(work, jobs, outcomes)})"]
+    busy = sum(o["seconds"] for o in outcomes)
+    return [f"probe {probe_s:.1f} s (compiled{', processes started beside it' if early else ''}); "
+            f"{len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs pulled by "
+            f"{len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s ({new / wall_s:.2f} kernels/s; "
+            f"processes busy {busy:.0f} s in all, {busy / max(new, 1):.1f} s a kernel, the slowest "
+            f"{max(o['seconds'] for o in outcomes):.0f} s; longest runs {longest_runs(work, jobs, outcomes)})"]
 
 
 def longest_runs(work: list, jobs: list, outcomes: list, top: int = 3) -> str:
@@ -287,11 +305,13 @@ def _cache_dir() -> str:
     return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
 
 
-def cached_kernels(cache: str) -> int:
-    """The kernel directories (``kernel.<name>.<hash>``) under DeepGEMM's cache."""
+def cached_kernels(cache: str, part: str = "") -> int:
+    """The kernel directories (``kernel.<name>.<hash>``) under DeepGEMM's cache, those whose
+    name holds `part` (``"gemm"``: the GEMMs, not the layout transforms that vLLM's weight
+    loading may have built)."""
     count = 0
     for _, dirs, _ in os.walk(cache):
-        count += sum(d.startswith("kernel.") for d in dirs)
+        count += sum(d.startswith("kernel.") and part in d for d in dirs)
     return count
 
 
@@ -356,33 +376,44 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
     return calls
 
 
-def run_children(work: list, children: int, jobs: list, buffers: dict, device: str) -> list:
-    """`children` processes at once, pulling the runs of `work` in order: each claims the
-    next unclaimed run (an exclusive-create file per run in a scratch folder, so no run is
-    done twice) until none is left. Each gets the jobs' tensors and the buffers through CUDA
-    IPC (torch's multiprocessing pickler) on its stdin. Returns each child's ``{"calls",
-    "runs", "seconds"}``; a child that fails raises with its last error line."""
+def start_children(n: int) -> list:
+    """`n` compile processes, started: each imports torch and vLLM's DeepGEMM wrapper, then
+    waits for its payload on stdin (:func:`child`). Returns ``[(Popen, stdout file, stderr
+    file)]``: stdout and stderr go to files, so that a child's vLLM log lines never fill a pipe
+    nobody reads yet."""
+    env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
+    procs = []
+    for _ in range(max(1, n)):
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm import child; child()"],
+                                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
+        procs.append((proc, out, err))
+    return procs
+
+
+def run_children(work: list, children: int, jobs: list, buffers: dict, device: str, started=()) -> list:
+    """`children` processes at once (those `started` already, then new ones), pulling the runs
+    of `work` in order: each claims the next unclaimed run (an exclusive-create file per run in
+    a scratch folder, so no run is done twice) until none is left. Each gets the jobs' tensors
+    and the buffers through CUDA IPC (torch's multiprocessing pickler) on its stdin. Returns
+    each child's ``{"calls", "runs", "seconds", "run_s"}``; a child that fails raises with its
+    last error line."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
 
     index = torch.device(device).index or 0
-    env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
     claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
     shared = {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]} for j, _ in work}
-    procs = []
-    # stdout and stderr to files: a child's vLLM log lines never fill a pipe nobody reads yet
-    for _ in range(max(1, children)):
+    procs = list(started)[:max(1, children)]
+    procs += start_children(max(1, children) - len(procs))
+    for proc, _, _ in procs:
         payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers}
-        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm import child; child()"],
-                                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
         try:
             proc.stdin.write(bytes(ForkingPickler.dumps(payload)))
             proc.stdin.close()
         except BrokenPipeError:  # it died at start: its stderr says why, below
             pass
-        procs.append((proc, out, err))
     outcomes, failures = [], []
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     for proc, out, err in procs:  # `jobs` and `buffers` stay alive here until every child is done
@@ -420,12 +451,16 @@ def claimed(work: list, claims: str):
 
 
 def child() -> None:
-    """A compile process: read the pickled payload from stdin, run every run of the work
-    list it claims first, print one JSON line. The weights and buffers are the engine's,
-    mapped through CUDA IPC."""
+    """A compile process: import what the calls need, read the pickled payload from stdin
+    (none: the parent needs no compile, exit), run every run of the work list it claims first,
+    print one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC."""
     import torch
+    from vllm.utils import deep_gemm  # noqa: F401  (imported before the payload comes)
 
-    payload = pickle.loads(sys.stdin.buffer.read())  # maps the IPC handles on their device
+    data = sys.stdin.buffer.read()
+    if not data:
+        return
+    payload = pickle.loads(data)  # maps the IPC handles on their device
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     calls = runs = 0

@@ -22,20 +22,26 @@ from kwarm_ext.kernels import deep_gemm as dg
 from test_faults import stand_in_worker
 
 
-def test_chunks_cover_every_count_once_in_runs_of_two_doublings_interleaved_across_weights():
+def test_chunks_cover_every_count_once_in_short_runs_spread_over_m_interleaved_across_weights():
     linear = [(m, None, None) for m in (1, 2, 3, 4, 8, 16, 63, 64, 200, 256, 1024, 4096, 8192)]
     grouped = [(m, 128, None) for m in (33536, 65536, 98048)]
     counts = [linear, grouped, [], list(reversed(linear[:4]))]
-    work = dg.chunks(counts)
-    for j, job in enumerate(counts):  # every count once, each weight's runs in order of M
-        assert [c for k, run in work if k == j for c in run] == sorted(job, key=lambda c: c[0])
-    assert all(len(run) and math.log2(run[-1][0]) - math.log2(run[0][0]) < 2 for _, run in work)
+    work = dg.chunks(counts, size=4)
+    for j, job in enumerate(counts):  # every count once
+        assert sorted(c for k, run in work if k == j for c in run) == sorted(job, key=lambda c: c[0])
     assert [(j, [c[0] for c in run]) for j, run in work] == [
-        (0, [1, 2, 3]), (1, [33536, 65536, 98048]), (3, [1, 2, 3]),  # each weight's first run,
-        (0, [4, 8]), (3, [4]),                                         # then each one's second, ...
-        (0, [16, 63]), (0, [64, 200]), (0, [256]), (0, [1024]), (0, [4096, 8192])]
+        (0, [1, 2, 3, 4]), (1, [33536, 65536, 98048]), (3, [1, 2, 3, 4]),  # each weight's first run,
+        (0, [200, 256, 1024, 4096]),  # then each one's second: the middle of M, ...
+        (0, [8, 16, 63, 64]), (0, [8192])]
     assert dg.chunks([[], []]) == []
-    assert [len(run) for _, run in dg.chunks([[(m, None, None) for m in range(1, 9)]], octaves=10)] == [8]
+    assert [len(run) for _, run in dg.chunks([[(m, None, None) for m in range(1, 20)]])] == [8, 3, 8]
+
+
+def test_spread_takes_the_middle_of_the_largest_gap_next():
+    assert dg.spread(0) == [] and dg.spread(1) == [0] and dg.spread(2) == [0, 1]
+    assert dg.spread(8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert dg.spread(5) == [0, 4, 2, 1, 3]
+    assert sorted(dg.spread(37)) == list(range(37))
 
 
 def _claim_all(work, claims, out):
@@ -272,14 +278,33 @@ def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
     try:
         jobs = [{"kind": "linear", "w": torch.zeros(4, 4), "ws": torch.ones(1, 1), "counts": [(1, None, None)]}]
         buffers = {"a": torch.zeros(16), "scale": torch.zeros(4), "out": torch.zeros(16)}
-        with pytest.raises(RuntimeError) as err:
-            dg.run_children([(0, [(1, None, None)]), (0, [(2, None, None)])], 2, jobs, buffers, "cuda:0")
+        with pytest.raises(RuntimeError) as err:  # one started ahead (as beside a cold probe), one here
+            dg.run_children([(0, [(1, None, None)]), (0, [(2, None, None)])], 2, jobs, buffers, "cuda:0",
+                            started=dg.start_children(1))
     finally:
         tmp.set_sharing_strategy(old)
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("2 of 2 DeepGEMM compile processes failed; first: exit 1: ")
     assert "Error" in message.split("exit 1: ", 1)[1]
+
+
+def test_a_child_started_ahead_exits_quietly_when_no_payload_comes(tmp_path):
+    # the probe found the kernels cached: the parent closes the children's stdin unwritten
+    (proc, out, err), = dg.start_children(1)
+    proc.stdin.close()
+    assert proc.wait(timeout=300) == 0
+    out.seek(0)
+    err.seek(0)
+    assert out.read() == b"" and b"Traceback" not in err.read()
+
+
+def test_the_gemm_kernels_in_deepgemms_cache_are_counted_apart_from_its_transforms(tmp_path):
+    for name in ("kernel.sm90_fp8_gemm_1d2d.1a", "kernel.transpose_fp32.2b", "kernel.sm90_fp8_gemm_1d2d.3c", "tmp"):
+        (tmp_path / "cache" / name).mkdir(parents=True)
+    assert dg.cached_kernels(str(tmp_path)) == 3
+    assert dg.cached_kernels(str(tmp_path), "gemm") == 2
+    assert dg.cached_kernels(str(tmp_path / "missing"), "gemm") == 0
 
 
 def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_env, kwarm_log, tmp_path):
