@@ -26,14 +26,17 @@ own code, not from a list of its own:
   ``max_num_batched_tokens`` selects (checked on the H200 for every M of two weights);
 - MoE layers: every grouped layout a batch can produce (:func:`grouped_layouts`), where vLLM's
   list samples half of them.
-It probes one call, and when that call compiled (the cache is cold), cuts every weight's
-counts into short runs and lets child processes, one per core of this rank, pull the runs
-across weights until none is left (:func:`chunks`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
+On a cache that holds no DeepGEMM GEMM it goes straight to the children; otherwise it probes one
+call, and when that call compiled, cuts every weight's counts into short runs and lets child
+processes, one per core of this rank, pull the runs across weights until none is left
+(:func:`chunks`). The children call vLLM's ``fp8_gemm_nt`` / ``m_grouped_fp8_gemm_nt_contiguous`` on
 the engine's own weights and one set of scratch buffers, shared through CUDA IPC (no copy;
 their outputs are thrown away). vLLM's warmup then loads every kernel from the cache. On a
-warm cache the probe is a load (milliseconds) and nothing is spawned; on a cache that holds no
-DeepGEMM GEMM at all the children start before the probe, so that their imports (torch and
-vLLM, seconds each) run while it compiles.
+warm cache the probe is a load (milliseconds) and nothing is spawned. On a block-FP8 model whose
+cache holds no DeepGEMM GEMM at all, the children start when vLLM starts loading the weights
+(:func:`before_load`, from ``Worker.load_model``), so that their imports (torch and vLLM, seconds
+each, slower fifteen at a time) overlap the load rather than the compiles; they start no CUDA
+context until the work list comes, so the load keeps the GPU's memory.
 
 Upstream: vLLM 0.20-0.33 compile these kernels serially (``deep_gemm_warmup``); vLLM issue
 #49905 is about the entry points that warmup misses, not its speed. This family can go when
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
+import logging
 import os
 import pickle
 import subprocess
@@ -53,6 +56,8 @@ import time
 
 from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
+
+logger = logging.getLogger("kwarm")
 
 KERNEL = "deep_gemm.fp8_gemm_nt"
 TRITON_KERNELS = ()  # DeepGEMM is not Triton
@@ -118,8 +123,60 @@ def plan(view, forced) -> list:
     if not jobs:
         return [Step("block-FP8 GEMMs", KERNEL, skip="no layer runs on DeepGEMM")]
     calls = sum(len(job["counts"]) for job in jobs)
-    return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL,
-                 run=lambda: compile_ahead(jobs, view.device, view.tp_size), summary=True)]
+    return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL, summary=True,
+                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), ())))]
+
+
+_early: dict = {}  # id(worker) -> the processes before_load started, until its ahead run takes them
+
+
+def before_load(worker) -> None:
+    """As vLLM starts loading `worker`'s weights: on a block-FP8 model that will run DeepGEMM on a
+    cache holding no DeepGEMM GEMM, start the compile processes now (:func:`start_children`), so
+    that their imports overlap the load; :func:`compile_ahead` takes them, :func:`release` ends
+    those it did not take. Elsewhere nothing starts (the ahead run probes and spawns as before)."""
+    if early_start_gap(worker) is not None:
+        return
+    tp_size = getattr(worker.vllm_config.parallel_config, "tensor_parallel_size", 1)
+    n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
+    _early[id(worker)] = start_children(n)
+    logger.info("kwarm: deep_gemm: %d compile processes started beside weight loading (DeepGEMM's cache "
+                "%s holds no GEMM kernel)", n, _cache_dir())
+
+
+def early_start_gap(worker) -> str | None:
+    """Why :func:`before_load` starts no process for `worker` (None: it does). It reads the
+    config only: the model is not built yet."""
+    if getattr(getattr(worker, "device", None), "type", None) != "cuda":
+        return "not a CUDA worker"
+    if not getattr(getattr(worker.vllm_config, "quant_config", None), "weight_block_size", None):
+        return "not a block-FP8 model"
+    import vllm.envs as envs
+    from vllm.utils import deep_gemm
+
+    if envs.VLLM_DEEP_GEMM_WARMUP == "skip" or not deep_gemm.is_deep_gemm_supported():
+        return "DeepGEMM not in use or its warmup skipped"
+    if cached_kernels(_cache_dir(), "gemm"):
+        return "DeepGEMM's cache holds GEMM kernels: the ahead run probes it first"
+    return None
+
+
+def release(worker) -> None:
+    """End the processes :func:`before_load` started for `worker` that no ahead run took (the
+    family skipped, or found no DeepGEMM layer)."""
+    _stop(_early.pop(id(worker), ()))
+
+
+def _stop(procs) -> None:
+    """Kill what is still running of `procs` (``start_children``'s triples) and close their files."""
+    for proc, out, err in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        out.close()
+        err.close()
 
 
 def gemm_jobs(model, max_tokens: int) -> list:
@@ -248,9 +305,11 @@ def spread(n: int) -> list:
     return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
 
 
-def compile_ahead(jobs: list, device: str, tp_size) -> list:
-    """Probe the first job's first count here; on a cold cache, every count of every job on
-    child processes. Returns the step's labels (what ran, where, what it left in the cache)."""
+def compile_ahead(jobs: list, device: str, tp_size, early=()) -> list:
+    """Every count of every job on child processes (`early`: those :func:`before_load` started),
+    unless a probe of the first job's first count finds the cache warm; a cache holding no
+    DeepGEMM GEMM is cold without a probe. Returns the step's labels (what ran, where, what it
+    left in the cache)."""
     import torch
 
     cache = _cache_dir()
@@ -259,32 +318,42 @@ def compile_ahead(jobs: list, device: str, tp_size) -> list:
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     work = chunks([job["counts"] for job in jobs])
     children = min(children, len(work))
-    early = start_children(children) if cached_kernels(cache, "gemm") == 0 else []
+    cold = cached_kernels(cache, "gemm") == 0
+    started = list(early) or (start_children(children) if cold else [])
     try:
-        probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
-        t0 = time.perf_counter()
-        run_counts(probe, [probe[0]["counts"]], _buffers(probe, device))
-        torch.cuda.synchronize(device)
-        probe_s = time.perf_counter() - t0
-        if probe_s < COLD_PROBE_S:
-            return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+        if cold:
+            how = (f"no GEMM in the cache, no probe; {len(started)} processes started beside weight loading"
+                   if early else "no GEMM in the cache, no probe")
+        else:
+            probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
+            t0 = time.perf_counter()
+            run_counts(probe, [probe[0]["counts"]], _buffers(probe, device))
+            torch.cuda.synchronize(device)
+            probe_s = time.perf_counter() - t0
+            if probe_s < COLD_PROBE_S:
+                return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+            how = f"probe {probe_s:.1f} s (compiled)"
         buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
         t0 = time.perf_counter()
-        outcomes = run_children(work, children, jobs, buffers, device, started=early)
+        outcomes = run_children(work, children, jobs, buffers, device, started=started)
     finally:
-        for proc, out, err in early:  # unused (warm probe) or failed: none outlives the step
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            out.close()
-            err.close()
+        _stop(started)  # unused (warm probe, more than needed) or failed: none outlives the step
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
     busy = sum(o["seconds"] for o in outcomes)
-    return [f"probe {probe_s:.1f} s (compiled{', processes started beside it' if early else ''}); "
-            f"{len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs pulled by "
+    return [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs pulled by "
             f"{len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s ({new / wall_s:.2f} kernels/s; "
             f"processes busy {busy:.0f} s in all, {busy / max(new, 1):.1f} s a kernel, the slowest "
-            f"{max(o['seconds'] for o in outcomes):.0f} s; longest runs {longest_runs(work, jobs, outcomes)})"]
+            f"{max(o['seconds'] for o in outcomes):.0f} s; {readiness(outcomes)}; "
+            f"longest runs {longest_runs(work, jobs, outcomes)})"]
+
+
+def readiness(outcomes: list) -> str:
+    """When the children could start calling and when they were done, in seconds after the work
+    list went out (their ``ready`` and ``done``): imports, CUDA contexts and IPC mapping on one
+    side, the last runs on the other."""
+    ready = sorted(o.get("ready", 0.0) for o in outcomes)
+    done = max(o.get("done", 0.0) for o in outcomes)
+    return f"ready {ready[len(ready) // 2]:.1f}-{ready[-1]:.1f} s after the work list, all done at {done:.0f} s"
 
 
 def longest_runs(work: list, jobs: list, outcomes: list, top: int = 3) -> str:
@@ -408,7 +477,8 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     procs = list(started)[:max(1, children)]
     procs += start_children(max(1, children) - len(procs))
     for proc, _, _ in procs:
-        payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers}
+        payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers,
+                   "sent": time.time()}
         try:
             proc.stdin.write(bytes(ForkingPickler.dumps(payload)))
             proc.stdin.close()
@@ -463,6 +533,7 @@ def child() -> None:
     payload = pickle.loads(data)  # maps the IPC handles on their device
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
+    ready = time.time() - payload["sent"]
     calls = runs = 0
     run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
     t0 = time.perf_counter()
@@ -474,4 +545,5 @@ def child() -> None:
             run_s.append([i, round(time.perf_counter() - started, 2)])
     torch.cuda.synchronize()
     print(json.dumps({"calls": calls, "runs": runs, "seconds": round(time.perf_counter() - t0, 3),
-                      "run_s": run_s}), flush=True)
+                      "run_s": run_s, "ready": round(ready, 2), "done": round(time.time() - payload["sent"], 2)}),
+          flush=True)

@@ -16,6 +16,10 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   ``kwarm_ext.warmup.ahead``), for work that makes vLLM's own start cheaper (``deep_gemm`` fills
   DeepGEMM's cache on every core before vLLM's profile run and warmup compile serially);
   its result is part of the worker's summary line and report;
+- with ``before_load=True`` as well, its module's ``before_load(worker)`` runs as vLLM starts
+  loading the weights (``Worker.load_model``: ``kwarm_ext.warmup.before_load``), to start what
+  needs no weights (``deep_gemm``'s compile processes, whose imports then overlap the load), and
+  its ``release(worker)`` ends whatever its ahead run did not take;
 - with ``after_capture=True`` in the table, the family is planned and run once
   ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
   (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
@@ -42,6 +46,7 @@ class Family:
     upstream: str = ""  # what vLLM's own warmups cover of it, and what kwarm adds (kwarm doctor)
     after_capture: bool = False  # planned and run after compile_or_warm_up_model
     ahead: bool = False  # planned and run before vLLM's profile run (else its kernel_warmup)
+    before_load: bool = False  # its module's before_load(worker) runs as vLLM starts loading weights
 
     def load(self):
         return importlib.import_module(self.module)
@@ -79,7 +84,7 @@ FAMILIES = {
                "vLLM compiles its profile run's kernels and then its own list one by one (deep_gemm_warmup, "
                "0.20-0.33); before 0.33 it skips weights whose N is not a multiple of 128, and every "
                "release skips grouped layouts between its counts; kwarm compiles all of them in "
-               "parallel first", ahead=True),
+               "parallel first", ahead=True, before_load=True),
         Family("replay", "kwarm_ext.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",

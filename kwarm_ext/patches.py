@@ -4,6 +4,8 @@ Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6
 ``triton_compat._wrap_serialize_specialization_data``, defined beside what it wraps). vLLM's: ``vllm.v1.worker.gpu_worker.kernel_warmup`` (the worker's
 warmup), ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory`` (kwarm's ``ahead`` families before
 vLLM's profile run, documented at :func:`_wrap_determine_available_memory`),
+``vllm.v1.worker.gpu_worker.Worker.load_model`` (kwarm's ``before_load`` steps, documented at
+:func:`_wrap_load_model`),
 ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
 before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
@@ -162,6 +164,23 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _wrap_load_model(wrapped, instance, args, kwargs):
+    """Run kwarm's ``before_load`` steps, then vLLM's ``Worker.load_model``.
+
+    Why: ``deep_gemm`` compiles on child processes that import torch and vLLM before they can
+    call DeepGEMM, seconds each and slower fifteen at a time; started after the load, as the
+    ahead run did, their imports and the first compiles overlapped nothing (a cold FP8 start on
+    vLLM 0.29.0: 15-18 s between the work list going out and the processes' last call ending,
+    beyond their busiest's calls; BENCHMARKS.md). Started here, they import while vLLM reads the
+    weights. vLLM versions: 0.20-0.33 (``Worker.load_model``). It can go with ``deep_gemm``.
+    """
+    with fail_open("steps before weight loading failed, the ahead families start their work later"):
+        from kwarm_ext import warmup
+
+        warmup.before_load(instance)
+    return wrapped(*args, **kwargs)
+
+
 def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     """Set torch's serving thread count, run vLLM's ``Worker.compile_or_warm_up_model``, then
     kwarm's after-capture steps.
@@ -239,9 +258,11 @@ KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.2
                       "kwarm's warmup will not run", announce="kwarm's families run after vLLM's warmup (its ahead families, deep_gemm, before vLLM's profile run)")
 BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determine_available_memory, "0.20-0.33",
                        "DeepGEMM kernels of vLLM's profile run compile there one by one", owner="Worker")
+BEFORE_LOAD = Patch(TARGET_MODULE, "load_model", _wrap_load_model, "0.20-0.33",
+                    "DeepGEMM's compile processes start after weight loading", owner="Worker")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
                       "kwarm's after-capture steps will not run, and on vLLM 0.28-0.32 what start-up "
                       "torch.compiles is compiled again on the first request", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-PATCHES = (SERIALIZER, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
+PATCHES = (SERIALIZER, BEFORE_LOAD, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

@@ -127,7 +127,26 @@ def ahead(worker) -> list:
             pass
     results = [_run_family(name, view, settings) for name in names]
     _ahead[id(worker)] = (results, time.perf_counter() - t0)
+    for name, family in FAMILIES.items():  # what before_load started and the run did not take
+        if family.before_load:
+            try:
+                guarded(f"{name} release", lambda: family.load().release(worker))
+            except StepFailed:
+                pass
     return results
+
+
+def before_load(worker) -> None:
+    """Run the selected ``before_load`` families' ``before_load(worker)`` as vLLM starts loading
+    `worker`'s weights (``Worker.load_model``); each is one isolated step, and :func:`ahead`
+    releases what they started."""
+    settings = config.get()
+    for name, family in FAMILIES.items():
+        if family.before_load and settings.warmups.wants(name):
+            try:
+                guarded(f"{name} before weight loading", lambda: family.load().before_load(worker))
+            except StepFailed:
+                pass
 
 
 def after_capture(worker) -> dict | None:

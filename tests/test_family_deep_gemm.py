@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 import json
-import math
+import logging
 import time
 
 import pytest
@@ -337,3 +337,61 @@ def test_bench_fp8_models_load_as_block_fp8_mla_whose_fused_down_projection_vllm
     assert cfg.architectures[0] in ModelRegistry.get_supported_archs()
     n = cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim
     assert n == fused_qkv_a and n % 64 == 0 and n % 128 != 0
+
+
+def test_processes_start_beside_weight_loading_only_on_a_cold_block_fp8_deepgemm_worker(monkeypatch, tmp_path):
+    # the reasons come from the worker's config and vLLM's own DeepGEMM checks, read before the
+    # model exists; on this machine the last two cannot be true (no GPU, no DeepGEMM)
+    import types
+
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    def worker(device, quant):
+        return types.SimpleNamespace(device=torch.device(device), vllm_config=types.SimpleNamespace(
+            quant_config=quant, parallel_config=types.SimpleNamespace(tensor_parallel_size=1)))
+
+    block = Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128])
+    assert dg.early_start_gap(worker("cpu", block)) == "not a CUDA worker"
+    assert dg.early_start_gap(worker("cuda", None)) == "not a block-FP8 model"
+    assert dg.early_start_gap(worker("cuda", Fp8Config(is_checkpoint_fp8_serialized=True))) == "not a block-FP8 model"
+    assert dg.early_start_gap(worker("cuda", block)) == "DeepGEMM not in use or its warmup skipped"
+    from vllm.utils import deep_gemm as vllm_dg
+
+    monkeypatch.setattr(vllm_dg, "is_deep_gemm_supported", lambda: True)  # an H200 with DeepGEMM
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    (tmp_path / "cache" / "kernel.transpose_fp32.1a").mkdir(parents=True)  # weight loading's, not a GEMM
+    assert dg.early_start_gap(worker("cuda", block)) is None
+    (tmp_path / "cache" / "kernel.sm90_fp8_gemm_1d2d.2b").mkdir()
+    assert dg.early_start_gap(worker("cuda", block)).startswith("DeepGEMM's cache holds GEMM kernels")
+
+
+def test_processes_started_before_the_load_end_with_the_ahead_run_that_did_not_take_them(
+        monkeypatch, kwarm_env, kwarm_log):
+    # vLLM's Worker.load_model through kwarm's patch: the processes start first, the load runs;
+    # the ahead run skips deep_gemm here (CPU runner), so they are ended, not left waiting
+    import types
+
+    from kwarm_ext import patches
+
+    kwarm_env(KWARM_WARMUPS="deep_gemm")
+    monkeypatch.setattr(dg, "early_start_gap", lambda worker: None)  # a cold H200 with DeepGEMM
+    monkeypatch.setattr(dg, "_cache_dir", lambda: "/tmp/dg-cache")
+    monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: 3)  # a core stays with the engine
+    seen = []
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"load_model": lambda self, **kw: seen.append(dict(dg._early)) or kw})
+    assert patches.BEFORE_LOAD.apply(module) is True
+    worker = module.Worker()
+    vars(worker).update(vars(stand_in_worker()))
+    assert worker.load_model(load_dummy_weights=False) == {"load_dummy_weights": False}
+    procs = [proc for proc, _, _ in seen[0][id(worker)]]
+    assert len(procs) == 2 and all(proc.poll() is None for proc in procs), "started before the load, running"
+    assert any("2 compile processes started beside weight loading" in m for m in kwarm_log.messages(logging.INFO))
+    results = warmup.ahead(worker)
+    assert [(r.name, r.status) for r in results] == [("deep_gemm", "skipped")]
+    assert id(worker) not in dg._early and all(proc.wait(timeout=60) is not None for proc in procs)
+
+
+def test_the_summary_says_when_the_processes_were_ready_and_done():
+    outcomes = [{"ready": 0.4, "done": 30.2}, {"ready": 0.6, "done": 41.7}, {"ready": 2.5, "done": 39.0}]
+    assert dg.readiness(outcomes) == "ready 0.6-2.5 s after the work list, all done at 42 s"
