@@ -47,13 +47,15 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_PROFILE, TARGET_ATTRIBUTE, TARGET_MODULE,
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_LOAD, BEFORE_PROFILE, TARGET_ATTRIBUTE, TARGET_MODULE,
                                    after_capture_class, is_after_capture_patched, is_patched)
 
     out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
            "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False},
            "before_profile": {"attribute": f"{BEFORE_PROFILE.owner}.{BEFORE_PROFILE.attribute}", "found": False,
-                              "patched": False}}
+                              "patched": False},
+           "before_load": {"attribute": f"{BEFORE_LOAD.owner}.{BEFORE_LOAD.attribute}", "found": False,
+                           "patched": False}}
     t0 = time.perf_counter()
     try:
         import importlib
@@ -65,6 +67,7 @@ def hook_target() -> dict:
                                     patched=is_after_capture_patched(module))
         out["before_profile"].update(found=BEFORE_PROFILE.holder(module) is not None,
                                      patched=BEFORE_PROFILE.applied(module))
+        out["before_load"].update(found=BEFORE_LOAD.holder(module) is not None, patched=BEFORE_LOAD.applied(module))
         from kwarm_ext import vllm_compat
         from kwarm_ext.patches import SERVING_THREADS
 
@@ -187,6 +190,10 @@ def render(r: dict) -> str:
         b = h["before_profile"]
         lines.append(f"before-profile target: {h.get('module')}.{b['attribute']} found={yes(b['found'])} "
                      f"patched={yes(b['patched'])}  (kwarm's ahead families, deep_gemm, before vLLM's profile run)")
+    if h.get("before_load"):
+        b = h["before_load"]
+        lines.append(f"before-load target: {h.get('module')}.{b['attribute']} found={yes(b['found'])} "
+                     f"patched={yes(b['patched'])}  (deep_gemm's compile processes start beside weight loading)")
     if h.get("after_capture"):
         a = h["after_capture"]
         lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "
