@@ -28,7 +28,8 @@
 #                         character other than A-Z a-z 0-9 _ turned into _, e.g.
 #                         MODEL_ARGS_deepseek_v32_2l="--gpu-memory-utilization 0.45 --kv-cache-memory-bytes 8G"
 #   MODES="off on"        kwarm modes
-#   WARM=1                0: cold runs only
+#   WARM=1                0: cold runs only; "on": the kwarm-on pipelines' warm restarts only (vLLM
+#                         alone's cold start can take most of a call)
 #   LEARN=1               kwarm-on cold runs learn a manifest; a third run replays it
 #                         on empty caches (0: no learning, no replay run; all: KWARM_LEARN=all,
 #                         the manifest also holds what kwarm's own warmup compiled)
@@ -56,6 +57,10 @@
 #   SYNC=1                every run gets --sync-lock $WORK/engines.lock: engines initialize
 #                         side by side, but measure their requests one at a time, never while
 #                         another engine initializes (0: no lock, everything overlaps)
+#   SYNC_RUNS="*"         which runs take the SYNC lock: space-separated patterns on the run's tag,
+#                         e.g. "*kwarmoff-cold *-warm" (vLLM alone's cold start, and warm restarts
+#                         whose requests then run alone, after every locked start; the other runs
+#                         start and measure beside them unlocked)
 #   PROFILE=""            e.g. "0,1": every run gets --profile $PROFILE (those requests under
 #                         cProfile: top functions in the result JSON, raw *.req<i>.prof files;
 #                         their wall time includes the profiler's overhead)
@@ -106,6 +111,7 @@ REPLAY_ONLY=${REPLAY_ONLY:-0}
 REPLAY_RUN=${REPLAY_RUN:-1}
 WARM_MANIFEST=${WARM_MANIFEST:-0}
 SYNC=${SYNC:-1}
+SYNC_RUNS=${SYNC_RUNS:-*}
 PROFILE=${PROFILE:-}
 PROFILE_RUNS=${PROFILE_RUNS:-*}
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -210,7 +216,14 @@ run_one() {
   fi
   mkdir -p "$cache"
   local t0 rc extra=()
-  [ "$SYNC" = 1 ] && extra+=(--sync-lock "$LOCK")
+  if [ "$SYNC" = 1 ]; then
+    local pat pats
+    read -r -a pats <<<"$SYNC_RUNS"  # no pathname expansion of the patterns
+    for pat in "${pats[@]}"; do
+      # shellcheck disable=SC2053  # a pattern
+      if [[ $tag == $pat ]]; then extra+=(--sync-lock "$LOCK"); break; fi
+    done
+  fi
   # shellcheck disable=SC2053  # a pattern
   [ -n "$PROFILE" ] && [[ $tag == $PROFILE_RUNS ]] && extra+=(--profile "$PROFILE")
   t0=$(date +%s)
@@ -275,7 +288,7 @@ pipeline() {
     run_one "$tag-replay" "$cache-replay" "$COLD_TIMEOUT" "${kenv[@]}" "KWARM_MANIFEST=$manifest" "${replay_env[@]}" \
       "KWARM_REPORT=$OUT/$tag-replay.kwarm-report.json" -- "${args[@]}" --variant replay
   fi
-  if [ "$WARM" = 1 ]; then
+  if [ "$WARM" = 1 ] || [ "$WARM" = "$mode" ]; then
     local warm_env=()
     if [ "$mode" = on ] && [ "$WARM_MANIFEST" = 1 ]; then  # a warm restart of a deployment that learned
       warm_env=("${kenv[@]}" "KWARM_REPORT=$OUT/$tag-warm.kwarm-report.json" "KWARM_MANIFEST=$manifest")
@@ -286,7 +299,7 @@ pipeline() {
   fi
 }
 
-echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, sync=$SYNC," \
+echo "== runs: models [$MODELS] x kwarm [$MODES], scenario $SCENARIO, warm=$WARM, sync=$SYNC on [$SYNC_RUNS]," \
   "kwarm env=[${KWARM_ENV_LIST[*]}], learn=$LEARN, profile=[${PROFILE}] on $PROFILE_RUNS, replay from=[${REPLAY_FROM}] only=$REPLAY_ONLY, budget ${BUDGET}s"
 for model in $MODELS; do
   for mode in $MODES; do

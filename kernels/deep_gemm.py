@@ -35,8 +35,12 @@ their outputs are thrown away). vLLM's warmup then loads every kernel from the c
 warm cache the probe is a load (milliseconds) and nothing is spawned. On a block-FP8 model whose
 cache holds no DeepGEMM GEMM at all, the children start when vLLM starts loading the weights
 (:func:`before_load`, from ``Worker.load_model``), so that their imports (torch and vLLM, seconds
-each, slower fifteen at a time) overlap the load rather than the compiles; they start no CUDA
-context until the work list comes, so the load keeps the GPU's memory.
+each, slower fifteen at a time) overlap the load; once vLLM has built the model, before the
+weights load (:func:`model_built`, from ``initialize_model``), they get the linear layers' work
+by shape (a kernel depends on N, K and M, not on the values) and compile while the weights load,
+on tensors of their own, as many processes as the GPU's free memory holds beside the weights.
+The ahead run then waits for them and runs only what they did not cover (MoE layers, whose
+experts are set up after the load).
 
 Upstream: vLLM 0.20-0.33 compile these kernels serially (``deep_gemm_warmup``); vLLM issue
 #49905 is about the entry points that warmup misses, not its speed. This family can go when
@@ -124,7 +128,8 @@ def plan(view, forced) -> list:
         return [Step("block-FP8 GEMMs", KERNEL, skip="no layer runs on DeepGEMM")]
     calls = sum(len(job["counts"]) for job in jobs)
     return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL, summary=True,
-                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), ())))]
+                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), ()),
+                                           _sent.pop(id(view.worker), None)))]
 
 
 _early: dict = {}  # id(worker) -> the processes before_load started, until its ahead run takes them
@@ -163,8 +168,96 @@ def early_start_gap(worker) -> str | None:
 
 def release(worker) -> None:
     """End the processes :func:`before_load` started for `worker` that no ahead run took (the
-    family skipped, or found no DeepGEMM layer)."""
+    family skipped, or found no DeepGEMM layer), those :func:`model_built` sent work included."""
     _stop(_early.pop(id(worker), ()))
+    sent = _sent.pop(id(worker), None)
+    if sent is not None:
+        _stop(sent["procs"])
+        sent["claims"].cleanup()
+
+
+_sent: dict = {}  # id(worker) -> the work model_built sent, until its ahead run waits for it
+
+
+def model_built(worker, model) -> None:
+    """As vLLM has built `worker`'s model, before it loads the weights (``initialize_model``
+    returned, kwarm_ext/patches.py): send the processes :func:`before_load` started the linear
+    layers' work, each weight by its shape (:func:`shape_jobs`; a process makes its own tensors
+    of that shape, DeepGEMM's kernel depends on the shapes, not the values), so that the
+    compiles run while the weights load. As many processes as the GPU's free memory holds
+    (:func:`fitting`); :func:`compile_ahead` waits for them and runs what they did not cover."""
+    procs = _early.get(id(worker))
+    if not procs:
+        return
+    import torch
+
+    jobs = shape_jobs(model, worker.vllm_config.scheduler_config.max_num_batched_tokens)
+    if not jobs:
+        return
+    device = torch.device(worker.device)
+    work = chunks([job["counts"] for job in jobs])
+    n = min(len(procs), len(work), fitting(jobs, *torch.cuda.mem_get_info(device)))
+    if n < 1:
+        logger.info("kwarm: deep_gemm: the GPU's free memory holds no compile process beside the weights; "
+                    "the compiles wait for the load")
+        return
+    claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
+    shapes = {j: {key: job[key] for key in ("kind", "shape", "ws_shape")} for j, job in enumerate(jobs)}
+    t0 = time.perf_counter()
+    _send(procs[:n], {"device": device.index or 0, "jobs": shapes, "work": work, "claims": claims.name,
+                      "sent": time.time()}, pickle.dumps)
+    _early[id(worker)] = procs[n:]
+    _sent[id(worker)] = {"procs": procs[:n], "keys": {job_key(job) for job in jobs}, "claims": claims, "t0": t0,
+                         "before": cached_kernels(_cache_dir()), "work": work, "jobs": jobs,
+                         "weights": len(jobs), "calls": sum(len(job["counts"]) for job in jobs)}
+    logger.info("kwarm: deep_gemm: %d weights, %d token counts sent to %d compile processes as the model was "
+                "built, before its weights load", len(jobs), _sent[id(worker)]["calls"], n)
+
+
+def shape_jobs(model, max_tokens: int) -> list:
+    """The linear layers' jobs of a model built but not loaded, by shape: ``{"kind": "linear",
+    "shape": (N, K), "ws_shape", "counts"}``, one per distinct weight shape, for the layers
+    vLLM's warmup filter takes (0.20-0.32) or whose kernel vLLM chose is DeepGEMM's
+    (:func:`runs_on_deep_gemm`; vLLM chooses it as it creates the weights), with vLLM's own
+    counts. MoE layers set their experts up as their weights are processed: the ahead run
+    takes them (:func:`gemm_jobs`)."""
+    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
+    may_use = getattr(w_mod, "_fp8_linear_may_use_deep_gemm", None)
+    jobs, seen = [], set()
+    for module in model.modules():
+        if not (runs_on_deep_gemm(module) or (may_use is not None and may_use(module))):
+            continue
+        w = getattr(module, "weight", None)
+        ws = getattr(module, "weight_scale_inv", None)
+        ws = getattr(module, "weight_scale", None) if ws is None else ws
+        if w is None or ws is None or w.ndim != 2 or tuple(w.shape) in seen:
+            continue
+        seen.add(tuple(w.shape))
+        counts = [(m, None, None) for m in w_mod._get_fp8_gemm_nt_m_values(w, max_tokens)]
+        jobs.append({"kind": "linear", "shape": tuple(w.shape), "ws_shape": tuple(ws.shape), "counts": counts})
+    return jobs
+
+
+def job_key(job: dict) -> tuple:
+    """What decides a job's kernels: its kind, N and K, and its counts (a job read from the
+    loaded model and one from its shapes alone match when these do)."""
+    return job["kind"], _shape(job)[-2:], tuple(job["counts"])
+
+
+CONTEXT_BYTES = 1 << 30  # a process's CUDA context and DeepGEMM's workspace, with room to spare
+RESERVE_FRACTION = 0.1  # of the GPU's memory, left to vLLM's weight processing while the processes run
+
+
+def fitting(jobs: list, free: int, total: int) -> int:
+    """How many processes making their own tensors for `jobs` (the largest weight at its
+    largest count: weight, scales, activations and output) fit in `free` bytes of the GPU, a
+    tenth of its `total` left to vLLM."""
+    def need(job):
+        (n, k), m = job["shape"], max(c[0] for c in job["counts"])
+        return n * k + 4 * n * _scale_cols(k) + m * (k + 4 * _scale_cols(k) + 2 * n)
+
+    per = CONTEXT_BYTES + max(need(job) for job in jobs)
+    return max(0, int(free - RESERVE_FRACTION * total) // per)
 
 
 def _stop(procs) -> None:
@@ -305,20 +398,32 @@ def spread(n: int) -> list:
     return sorted(range(n), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
 
 
-def compile_ahead(jobs: list, device: str, tp_size, early=()) -> list:
-    """Every count of every job on child processes (`early`: those :func:`before_load` started),
-    unless a probe of the first job's first count finds the cache warm; a cache holding no
-    DeepGEMM GEMM is cold without a probe. Returns the step's labels (what ran, where, what it
-    left in the cache)."""
+def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list:
+    """Every count of every job on child processes: first waits for the work :func:`model_built`
+    `sent` (if any) and leaves out the jobs it covered; the rest on the processes `early`
+    (:func:`before_load`'s) or new ones, unless a probe of the first job's first count finds the
+    cache warm; a cache holding no DeepGEMM GEMM (or one the early processes found so) is cold
+    without a probe. Returns the step's labels (what ran, where, what it left in the cache)."""
     import torch
 
     cache = _cache_dir()
+    labels = []
+    if sent is not None:
+        try:
+            labels.append(_finish(sent, cache))
+        except BaseException:
+            _stop(early)
+            raise
+        jobs = [job for job in jobs if job_key(job) not in sent["keys"]]
+        if not jobs:
+            _stop(early)
+            return labels
     before = cached_kernels(cache)
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
                           torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     work = chunks([job["counts"] for job in jobs])
     children = min(children, len(work))
-    cold = cached_kernels(cache, "gemm") == 0
+    cold = bool(early) or sent is not None or cached_kernels(cache, "gemm") == 0
     started = list(early) or (start_children(children) if cold else [])
     try:
         if cold:
@@ -331,7 +436,7 @@ def compile_ahead(jobs: list, device: str, tp_size, early=()) -> list:
             torch.cuda.synchronize(device)
             probe_s = time.perf_counter() - t0
             if probe_s < COLD_PROBE_S:
-                return [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
+                return labels + [f"probe {probe_s * 1000:.0f} ms: kernels cached, nothing compiled ahead"]
             how = f"probe {probe_s:.1f} s (compiled)"
         buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
         t0 = time.perf_counter()
@@ -339,20 +444,40 @@ def compile_ahead(jobs: list, device: str, tp_size, early=()) -> list:
     finally:
         _stop(started)  # unused (warm probe, more than needed) or failed: none outlives the step
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
+    return labels + [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs "
+                     f"pulled by {len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s "
+                     f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "
+                     f"longest runs {longest_runs(work, jobs, outcomes)})"]
+
+
+def _finish(sent: dict, cache: str) -> str:
+    """Wait for the processes :func:`model_built` sent work; the label of what they did."""
+    waited = time.perf_counter()
+    try:
+        outcomes = _collect(sent["procs"])
+    finally:
+        sent["claims"].cleanup()
+    end = time.perf_counter()
+    wall_s, new = end - sent["t0"], cached_kernels(cache) - sent["before"]
+    return (f"{sent['weights']} weights, {sent['calls']} calls in {len(sent['work'])} runs sent to {len(outcomes)} "
+            f"processes as the model was built, before its weights loaded; {new} kernels new in {cache}, "
+            f"{wall_s:.0f} s from then, {end - waited:.1f} s of it after the load "
+            f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "
+            f"longest runs {longest_runs(sent['work'], sent['jobs'], outcomes)})")
+
+
+def _throughput(new: int, wall_s: float, outcomes: list) -> str:
     busy = sum(o["seconds"] for o in outcomes)
-    return [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs pulled by "
-            f"{len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s ({new / wall_s:.2f} kernels/s; "
-            f"processes busy {busy:.0f} s in all, {busy / max(new, 1):.1f} s a kernel, the slowest "
-            f"{max(o['seconds'] for o in outcomes):.0f} s; {readiness(outcomes)}; "
-            f"longest runs {longest_runs(work, jobs, outcomes)})"]
+    return (f"{new / max(wall_s, 1e-9):.2f} kernels/s; processes busy {busy:.0f} s in all, "
+            f"{busy / max(new, 1):.1f} s a kernel, the slowest {max((o['seconds'] for o in outcomes), default=0):.0f} s")
 
 
 def readiness(outcomes: list) -> str:
     """When the children could start calling and when they were done, in seconds after the work
     list went out (their ``ready`` and ``done``): imports, CUDA contexts and IPC mapping on one
     side, the last runs on the other."""
-    ready = sorted(o.get("ready", 0.0) for o in outcomes)
-    done = max(o.get("done", 0.0) for o in outcomes)
+    ready = sorted(o.get("ready", 0.0) for o in outcomes) or [0.0]
+    done = max((o.get("done", 0.0) for o in outcomes), default=0.0)
     return f"ready {ready[len(ready) // 2]:.1f}-{ready[-1]:.1f} s after the work list, all done at {done:.0f} s"
 
 
@@ -360,8 +485,12 @@ def longest_runs(work: list, jobs: list, outcomes: list, top: int = 3) -> str:
     """The `top` runs that took longest, from the children's ``run_s``: what keeps the last
     process busy after the others ran out of work (``2624x6144 M 1024-3968 21 s``)."""
     timed = sorted(((s, i) for o in outcomes for i, s in o.get("run_s", ())), reverse=True)[:top]
-    return ", ".join(f"{'x'.join(map(str, jobs[work[i][0]]['w'].shape[-2:]))} M {work[i][1][0][0]}-"
+    return ", ".join(f"{'x'.join(map(str, _shape(jobs[work[i][0]])[-2:]))} M {work[i][1][0][0]}-"
                      f"{work[i][1][-1][0]} {s:.0f} s" for s, i in timed) or "-"
+
+
+def _shape(job: dict) -> tuple:
+    return tuple(job["shape"]) if "shape" in job else tuple(job["w"].shape)
 
 
 def _cache_dir() -> str:
@@ -465,8 +594,8 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     of `work` in order: each claims the next unclaimed run (an exclusive-create file per run in
     a scratch folder, so no run is done twice) until none is left. Each gets the jobs' tensors
     and the buffers through CUDA IPC (torch's multiprocessing pickler) on its stdin. Returns
-    each child's ``{"calls", "runs", "seconds", "run_s"}``; a child that fails raises with its
-    last error line."""
+    each child's ``{"calls", "runs", "seconds", "run_s", "ready", "done"}``; a child that fails
+    raises with its last error line."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
@@ -476,17 +605,35 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     shared = {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]} for j, _ in work}
     procs = list(started)[:max(1, children)]
     procs += start_children(max(1, children) - len(procs))
+    _send(procs, {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers,
+                  "sent": time.time()}, lambda payload: bytes(ForkingPickler.dumps(payload)))
+    try:
+        return _collect(procs)  # `jobs` and `buffers` stay alive here until every child is done
+    finally:
+        claims.cleanup()
+
+
+def _send(procs: list, payload: dict, dumps) -> None:
+    """Write the payload to a file in its claims folder and its path to each process's stdin:
+    a pipe holds 64 KiB, and a process still importing would block a larger write (and the
+    weight loading behind it) until it reads."""
+    path = os.path.join(payload["claims"], "payload")
+    with open(path, "wb") as f:
+        f.write(dumps(payload))
     for proc, _, _ in procs:
-        payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers,
-                   "sent": time.time()}
         try:
-            proc.stdin.write(bytes(ForkingPickler.dumps(payload)))
+            proc.stdin.write(path.encode())
             proc.stdin.close()
-        except BrokenPipeError:  # it died at start: its stderr says why, below
+        except BrokenPipeError:  # it died at start: its stderr says why, in _collect
             pass
+
+
+def _collect(procs: list) -> list:
+    """Wait for `procs` (at most ``CHILD_TIMEOUT_S`` in all) and read each one's JSON line;
+    raises one line naming the first failure."""
     outcomes, failures = [], []
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    for proc, out, err in procs:  # `jobs` and `buffers` stay alive here until every child is done
+    for proc, out, err in procs:
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -502,7 +649,6 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
             failures.append(f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
         out.close()
         err.close()
-    claims.cleanup()
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(procs)} DeepGEMM compile processes failed; first: {failures[0]}")
     return outcomes
@@ -520,26 +666,46 @@ def claimed(work: list, claims: str):
         yield i, run
 
 
+def made_tensors(job: dict, device) -> dict:
+    """A job sent by shape (:func:`shape_jobs`) with tensors of its own on `device`: the FP8
+    weight (uninitialized) and its FP32 block scales (zeros), in the layout vLLM reads from the
+    checkpoint; DeepGEMM lays the scales out for its kernel as it does for the loaded weight."""
+    import torch
+
+    return {"kind": job["kind"], "w": torch.empty(job["shape"], device=device, dtype=torch.float8_e4m3fn),
+            "ws": torch.zeros(job["ws_shape"], device=device, dtype=torch.float32)}
+
+
 def child() -> None:
-    """A compile process: import what the calls need, read the pickled payload from stdin
-    (none: the parent needs no compile, exit), run every run of the work list it claims first,
-    print one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC."""
+    """A compile process: import what the calls need, read the pickled payload from the file
+    stdin names (none: the parent needs no compile, exit), run every run of the work list it claims first,
+    print one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC, or,
+    for jobs sent by shape, its own (:func:`made_tensors`)."""
     import torch
     from vllm.utils import deep_gemm  # noqa: F401  (imported before the payload comes)
 
-    data = sys.stdin.buffer.read()
-    if not data:
+    path = sys.stdin.buffer.read().decode()
+    if not path:
         return
-    payload = pickle.loads(data)  # maps the IPC handles on their device
+    with open(path, "rb") as f:
+        payload = pickle.load(f)  # maps the IPC handles (if any) on their device
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     ready = time.time() - payload["sent"]
     calls = runs = 0
     run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
+    made = {}  # a job sent by shape: the tensors of the one run last (one weight at a time)
     t0 = time.perf_counter()
     for i, (j, counts) in claimed(payload["work"], payload["claims"]):
         started = time.perf_counter()
-        calls += run_counts([payload["jobs"][j]], [counts], payload["buffers"])
+        job, buffers = payload["jobs"][j], payload.get("buffers")
+        if "w" not in job:
+            if j not in made:
+                made.clear()
+                made[j] = made_tensors(job, torch.device("cuda", payload["device"]))
+            job = made[j]
+            buffers = _buffers([dict(job, counts=counts)], job["w"].device)
+        calls += run_counts([job], [counts], buffers)
         runs += 1
         if time.perf_counter() - started >= 1.0:
             run_s.append([i, round(time.perf_counter() - started, 2)])

@@ -47,15 +47,16 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_LOAD, BEFORE_PROFILE, TARGET_ATTRIBUTE, TARGET_MODULE,
-                                   after_capture_class, is_after_capture_patched, is_patched)
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_LOAD, BEFORE_PROFILE, MODEL_BUILT, TARGET_ATTRIBUTE,
+                                   TARGET_MODULE, after_capture_class, is_after_capture_patched, is_patched)
 
     out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
            "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False},
            "before_profile": {"attribute": f"{BEFORE_PROFILE.owner}.{BEFORE_PROFILE.attribute}", "found": False,
                               "patched": False},
            "before_load": {"attribute": f"{BEFORE_LOAD.owner}.{BEFORE_LOAD.attribute}", "found": False,
-                           "patched": False}}
+                           "patched": False},
+           "model_built": {"attribute": MODEL_BUILT.target, "found": False, "patched": False}}
     t0 = time.perf_counter()
     try:
         import importlib
@@ -68,6 +69,8 @@ def hook_target() -> dict:
         out["before_profile"].update(found=BEFORE_PROFILE.holder(module) is not None,
                                      patched=BEFORE_PROFILE.applied(module))
         out["before_load"].update(found=BEFORE_LOAD.holder(module) is not None, patched=BEFORE_LOAD.applied(module))
+        loader = importlib.import_module(MODEL_BUILT.module)
+        out["model_built"].update(found=MODEL_BUILT.current(loader) is not None, patched=MODEL_BUILT.applied(loader))
         from kwarm_ext import vllm_compat
         from kwarm_ext.patches import SERVING_THREADS
 
@@ -194,6 +197,10 @@ def render(r: dict) -> str:
         b = h["before_load"]
         lines.append(f"before-load target: {h.get('module')}.{b['attribute']} found={yes(b['found'])} "
                      f"patched={yes(b['patched'])}  (deep_gemm's compile processes start beside weight loading)")
+    if h.get("model_built"):
+        b = h["model_built"]
+        lines.append(f"model-built target: {b['attribute']} found={yes(b['found'])} patched={yes(b['patched'])}  "
+                     "(deep_gemm's compiles run while the weights load)")
     if h.get("after_capture"):
         a = h["after_capture"]
         lines.append(f"after-capture target: {h.get('module')}.{a['attribute']} found={yes(a['found'])} "

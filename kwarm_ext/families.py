@@ -18,8 +18,11 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   its result is part of the worker's summary line and report;
 - with ``before_load=True`` as well, its module's ``before_load(worker)`` runs as vLLM starts
   loading the weights (``Worker.load_model``: ``kwarm_ext.warmup.before_load``), to start what
-  needs no weights (``deep_gemm``'s compile processes, whose imports then overlap the load), and
-  its ``release(worker)`` ends whatever its ahead run did not take;
+  needs no weights (``deep_gemm``'s compile processes, whose imports then overlap the load),
+  its ``model_built(worker, model)`` once vLLM has built the model, before the weights load
+  (``initialize_model``: ``kwarm_ext.warmup.model_built``; ``deep_gemm`` sends the weights'
+  shapes, so that the compiles overlap the load), and its ``release(worker)`` ends whatever its
+  ahead run did not take;
 - with ``after_capture=True`` in the table, the family is planned and run once
   ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
   (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.

@@ -5,7 +5,8 @@ Triton's: ``triton.runtime.jit.serialize_specialization_data`` on Triton 3.4-3.6
 warmup), ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory`` (kwarm's ``ahead`` families before
 vLLM's profile run, documented at :func:`_wrap_determine_available_memory`),
 ``vllm.v1.worker.gpu_worker.Worker.load_model`` (kwarm's ``before_load`` steps, documented at
-:func:`_wrap_load_model`),
+:func:`_wrap_load_model`), ``vllm.model_executor.model_loader.base_loader.initialize_model`` (their
+``model_built`` steps, documented at :func:`_wrap_initialize_model`),
 ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
 before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
@@ -36,6 +37,7 @@ which patch Triton objects for the length of a ``with`` block.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from kwarm_ext.log import fail_open
@@ -48,6 +50,7 @@ TARGET_MODULE = "vllm.v1.worker.gpu_worker"
 TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
+LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
 # vLLM 0.28+: lowers torch's thread count for serving (see _wrap_compile_or_warm_up_model)
 SERVING_THREADS = "vllm.utils.torch_utils:set_torch_threads_for_runtime"
 
@@ -174,11 +177,32 @@ def _wrap_load_model(wrapped, instance, args, kwargs):
     beyond their busiest's calls; BENCHMARKS.md). Started here, they import while vLLM reads the
     weights. vLLM versions: 0.20-0.33 (``Worker.load_model``). It can go with ``deep_gemm``.
     """
+    loading = contextlib.nullcontext()
     with fail_open("steps before weight loading failed, the ahead families start their work later"):
         from kwarm_ext import warmup
 
         warmup.before_load(instance)
-    return wrapped(*args, **kwargs)
+        loading = warmup.loading(instance)
+    with loading:  # whose model the initialize_model patch sees built
+        return wrapped(*args, **kwargs)
+
+
+def _wrap_initialize_model(wrapped, instance, args, kwargs):
+    """Run vLLM's ``initialize_model`` (the model built, its weights not loaded yet), then
+    kwarm's ``model_built`` steps with the model.
+
+    Why: ``deep_gemm``'s compiles depend on the linear layers' shapes only, and those are known
+    once the model is built: sent then, they run while vLLM loads the weights (minutes for a
+    real checkpoint) instead of after it. vLLM versions: 0.20-0.33 (``BaseModelLoader.load_model``
+    calls the ``initialize_model`` its module imported by name; loaders that call their own
+    leave the compiles to the ahead run). It can go with ``deep_gemm``.
+    """
+    model = wrapped(*args, **kwargs)
+    with fail_open("steps as the model was built failed, the ahead families start their work after the load"):
+        from kwarm_ext import warmup
+
+        warmup.model_built(model)
+    return model
 
 
 def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
@@ -260,9 +284,11 @@ BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determ
                        "DeepGEMM kernels of vLLM's profile run compile there one by one", owner="Worker")
 BEFORE_LOAD = Patch(TARGET_MODULE, "load_model", _wrap_load_model, "0.20-0.33",
                     "DeepGEMM's compile processes start after weight loading", owner="Worker")
+MODEL_BUILT = Patch(LOADER_MODULE, "initialize_model", _wrap_initialize_model, "0.20-0.33",
+                    "DeepGEMM's compiles wait for the weights to load")
 AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
                       "kwarm's after-capture steps will not run, and on vLLM 0.28-0.32 what start-up "
                       "torch.compiles is compiled again on the first request", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-PATCHES = (SERIALIZER, BEFORE_LOAD, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
+PATCHES = (SERIALIZER, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)

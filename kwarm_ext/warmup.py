@@ -149,6 +149,34 @@ def before_load(worker) -> None:
                 pass
 
 
+_loading: list = []  # the workers whose Worker.load_model is running, the innermost last
+
+
+@contextlib.contextmanager
+def loading(worker):
+    """While `worker` loads its model: the worker :func:`model_built` gives the built model to."""
+    _loading.append(worker)
+    try:
+        yield
+    finally:
+        _loading.remove(worker)
+
+
+def model_built(model) -> None:
+    """Run the selected ``before_load`` families' ``model_built(worker, model)`` as vLLM has built
+    the model of the worker now loading (its weights not loaded yet); each is one isolated step.
+    A model built outside a worker's load (none loading) is not one."""
+    if not _loading:
+        return
+    worker, settings = _loading[-1], config.get()
+    for name, family in FAMILIES.items():
+        if family.before_load and settings.warmups.wants(name):
+            try:
+                guarded(f"{name} as the model was built", lambda: family.load().model_built(worker, model))
+            except StepFailed:
+                pass
+
+
 def after_capture(worker) -> dict | None:
     """Run the selected after-capture families on `worker` (the view of its :func:`run`);
     one summary line, and the report gains ``after_capture``. None when no family is one."""

@@ -715,9 +715,9 @@ def gpu_run_env(tmp_path, **extra) -> dict:
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KWARM_", "VLLM_", "TRITON_", "MODEL_ARGS_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", STAGED=str(tmp_path / "staged"), VER="9.9", PY=str(bin_dir / "py"),
-               INSTALL="0", REPLAY_BENCH="0", SYNC="0", MODELS="tiny-qwen3-next", OUT=str(tmp_path / "final"),
-               WORK=str(tmp_path / "work"), **extra)
+    env.update(dict(dict(PATH=f"{bin_dir}:{env['PATH']}", STAGED=str(tmp_path / "staged"), VER="9.9",
+                         PY=str(bin_dir / "py"), INSTALL="0", REPLAY_BENCH="0", SYNC="0", MODELS="tiny-qwen3-next",
+                         OUT=str(tmp_path / "final"), WORK=str(tmp_path / "work")), **extra))
     return env
 
 
@@ -782,6 +782,19 @@ def test_gpu_run_floor_is_vllm_alone_on_the_cold_runs_deepgemm_kernels(tmp_path)
     assert "--deepgemm-sweep" not in argv and "--deepgemm-sweep" not in runs["off-cold"]["fake_argv"]
     assert "DG_JIT_CACHE_DIR" not in runs["off-cold"]["fake_env"] and "DG_JIT_CACHE_DIR" not in runs["on-cold"]["fake_env"]
     assert "off (DeepGEMM built)" in (tmp_path / "final" / "table.md").read_text()
+
+
+def test_gpu_run_sync_runs_lock_only_the_runs_named_and_warm_on_restarts_kwarm_on_only(tmp_path):
+    # vLLM alone's cold start and the warm restarts take the lock; kwarm's cold start does not
+    (tmp_path / "x-kwarmoff-cold").mkdir()  # a file a pattern would match if the shell expanded it
+    env = gpu_run_env(tmp_path, SYNC="1", SYNC_RUNS="*kwarmoff-cold *-warm", LEARN="0", SCENARIO="pairs", WARM="on")
+    proc, out, runs = gpu_run(tmp_path, env)
+    locked = {tag for tag, run in runs.items() if "--sync-lock" in run["fake_argv"]}
+    assert sorted(runs) == ["off-cold", "on-cold", "on-warm"], "WARM=on: kwarm-on's warm restart only"
+    assert locked == {"off-cold", "on-warm"}
+    (tmp_path / "default").mkdir()
+    default = gpu_run(tmp_path / "default", gpu_run_env(tmp_path / "default", SYNC="1", LEARN="0", WARM="0"))[2]
+    assert default["on-cold"]["fake_argv"].count("--sync-lock") == 1, "every run by default"
 
 
 def test_gpu_run_rejects_a_bad_kwarm_env(tmp_path):

@@ -395,3 +395,107 @@ def test_processes_started_before_the_load_end_with_the_ahead_run_that_did_not_t
 def test_the_summary_says_when_the_processes_were_ready_and_done():
     outcomes = [{"ready": 0.4, "done": 30.2}, {"ready": 0.6, "done": 41.7}, {"ready": 2.5, "done": 39.0}]
     assert dg.readiness(outcomes) == "ready 0.6-2.5 s after the work list, all done at 42 s"
+
+
+def _dg_layer(n, k, kernel_class):
+    """A linear layer as vLLM builds it, before its weights load: FP8 weight, FP32 block scales,
+    the kernel vLLM chose in ``create_weights`` (a real class, uninitialized)."""
+    from types import SimpleNamespace
+
+    module = _Linear(n, k)
+    module.quant_method = SimpleNamespace(fp8_linear=object.__new__(kernel_class))
+    return module
+
+
+def test_jobs_by_shape_of_a_model_not_loaded_are_those_the_ahead_run_reads_from_the_loaded_one(monkeypatch):
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass, deep_gemm
+    from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
+
+    monkeypatch.setattr(w_mod, "_fp8_linear_may_use_deep_gemm",  # vLLM's filter: N % 128 (it calls DeepGEMM)
+                        lambda m: isinstance(m, _Linear) and m.weight.shape[0] % 128 == 0
+                        and not isinstance(m.quant_method.fp8_linear, cutlass.CutlassFp8BlockScaledMMKernel))
+    monkeypatch.setattr(w_mod, "_extract_data_from_linear_base_module",
+                        lambda m: (m.weight, m.weight_scale_inv, [128, 128]))
+    monkeypatch.setattr(w_mod, "_fused_moe_grouped_gemm_may_use_deep_gemm", lambda m: False)
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
+    on_dg = deep_gemm.DeepGemmFp8BlockScaledMMKernel
+    model = torch.nn.Sequential(_dg_layer(256, 512, on_dg), _dg_layer(256, 512, on_dg),
+                                _dg_layer(2112, 7168, on_dg),  # N % 64: vLLM's filter leaves it out, its kernel not
+                                _dg_layer(384, 256, cutlass.CutlassFp8BlockScaledMMKernel), torch.nn.Linear(4, 4))
+    jobs = dg.shape_jobs(model, 16)
+    assert [(j["kind"], j["shape"], j["ws_shape"]) for j in jobs] == [
+        ("linear", (256, 512), (2, 4)), ("linear", (2112, 7168), (16, 56))]
+    assert all(j["counts"] == [(m, None, None) for m in range(1, 17)] for j in jobs)
+    # the ahead run reads the loaded model: the same kernels' jobs, so it leaves them out
+    assert [dg.job_key(j) for j in dg.gemm_jobs(model, 16)] == [dg.job_key(j) for j in jobs]
+    made = dg.made_tensors(jobs[1], torch.device("cpu"))  # what a process builds of a job sent by shape
+    assert (made["w"].shape, made["w"].dtype) == ((2112, 7168), torch.float8_e4m3fn)
+    assert (made["ws"].shape, made["ws"].dtype, made["ws"].abs().sum().item()) == ((16, 56), torch.float32, 0)
+
+
+def test_processes_fit_the_gpus_free_memory_beside_the_weights():
+    # the largest weight at its largest count: weight, scales, activations, output; plus a
+    # context each; a tenth of the GPU left to vLLM
+    jobs = [{"shape": (36864, 7168), "counts": [(1, None, None), (8192, None, None)]},
+            {"shape": (2112, 7168), "counts": [(8192, None, None)]}]
+    per = dg.CONTEXT_BYTES + 36864 * 7168 + 4 * 36864 * 56 + 8192 * (7168 + 4 * 56 + 2 * 36864)
+    gib = 1 << 30
+    assert dg.fitting(jobs, 100 * gib, 140 * gib) == int(100 * gib - 14 * gib) // per == 45
+    assert dg.fitting(jobs, 14 * gib, 140 * gib) == 0, "nothing beside a GPU the weights fill"
+
+
+def test_the_ahead_run_waits_for_the_work_sent_as_the_model_was_built_and_runs_only_the_rest(monkeypatch, tmp_path):
+    # work sent as the model was built whose processes are done (none here: their reading is
+    # tested with real processes below): jobs it covered are not run again, nothing is spawned
+    import tempfile as tf
+
+    monkeypatch.setattr(dg, "_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(dg, "start_children", lambda n: pytest.fail("nothing left to compile"))
+    job = {"kind": "linear", "shape": (256, 512), "ws_shape": (2, 4), "counts": [(1, None, None)]}
+    loaded = [{"kind": "linear", "w": torch.empty(256, 512, device="meta"), "ws": None, "counts": [(1, None, None)]}]
+    sent = {"procs": [], "keys": {dg.job_key(job)}, "claims": tf.TemporaryDirectory(), "t0": time.perf_counter(),
+            "before": 0, "work": dg.chunks([job["counts"]]), "jobs": [job], "weights": 1, "calls": 1}
+    labels = dg.compile_ahead(loaded, "cuda:0", 1, early=(), sent=sent)
+    assert len(labels) == 1 and labels[0].startswith(
+        "1 weights, 1 calls in 1 runs sent to 0 processes as the model was built, before its weights loaded; 0 kernels new")
+
+
+def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log):
+    # vLLM's Worker.load_model and initialize_model through kwarm's patches, on stand-in modules:
+    # the processes start before the load, get the work by shape once the model is built (real
+    # child processes: here they cannot make CUDA tensors, which is how any failure looks)
+    import types
+
+    from kwarm_ext import patches
+    from vllm.model_executor.kernels.linear.scaled_mm import deep_gemm
+
+    kwarm_env(KWARM_WARMUPS="deep_gemm")
+    monkeypatch.setattr(dg, "early_start_gap", lambda worker: None)  # a cold H200 with DeepGEMM
+    monkeypatch.setattr(dg, "_cache_dir", lambda: "/tmp/dg-cache")
+    monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
+    model = torch.nn.Sequential(_dg_layer(2112, 7168, deep_gemm.DeepGemmFp8BlockScaledMMKernel))
+    loader = types.ModuleType("stand_in_base_loader")
+    loader.initialize_model = lambda **kw: model
+    gpu_worker = types.ModuleType("stand_in_gpu_worker")
+    gpu_worker.Worker = type("Worker", (), {"load_model": lambda self: loader.initialize_model(vllm_config=None)})
+    assert patches.BEFORE_LOAD.apply(gpu_worker) is True and patches.MODEL_BUILT.apply(loader) is True
+    assert loader.initialize_model() is model, "a model built outside a worker's load: nothing sent"
+    worker = gpu_worker.Worker()
+    worker.device = torch.device("cuda", 0)
+    worker.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8),
+                                               parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+    worker.load_model()
+    sent, early = dg._sent.pop(id(worker)), dg._early.pop(id(worker))
+    assert len(sent["procs"]) == 1 and len(early) == 1, "one run of work: one process sent it, one left"
+    assert sent["calls"] == 8 and [j["shape"] for j in sent["jobs"]] == [(2112, 7168)]
+    assert any("1 weights, 8 token counts sent to 1 compile processes as the model was built" in m
+               for m in kwarm_log.messages(logging.INFO))
+    loaded = [{"kind": "linear", "w": torch.empty(2112, 7168, device="meta"), "ws": None,
+               "counts": [(m, None, None) for m in range(1, 9)]}]
+    with pytest.raises(RuntimeError) as err:
+        dg.compile_ahead(loaded, "cuda:0", 1, early=early, sent=sent)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("1 of 1 DeepGEMM compile processes failed; first: exit 1: ")
+    assert all(proc.poll() is not None for proc, _, _ in early), "the unsent process does not outlive the step"
