@@ -490,6 +490,27 @@ def allocator_counts() -> dict | None:
     return {name: stats[name] for name in ALLOCATOR_STATS if name in stats}
 
 
+def segments() -> dict | None:
+    """The device caching allocator's segments where CUDA is there: address -> (pool, bytes,
+    stream) from ``torch.cuda.memory_snapshot()``. Each pool is per stream: a segment a request
+    starts on a stream that a startup reserve did not use shows which stream to warm."""
+    import torch
+
+    cuda = torch.cuda
+    if not (cuda.is_available() and getattr(cuda, "is_initialized", lambda: False)() and hasattr(cuda, "memory_snapshot")):
+        return None
+    return {seg["address"]: (seg.get("segment_type"), seg["total_size"], seg.get("stream"))
+            for seg in torch.cuda.memory_snapshot()}
+
+
+def new_segments(before: dict | None, after: dict | None) -> list | None:
+    """The segments in `after` that `before` lacks: ``[{"pool", "mib", "stream"}]``."""
+    if before is None or after is None:
+        return None
+    return [{"pool": pool, "mib": round(size / (1 << 20), 2), "stream": stream}
+            for address, (pool, size, stream) in sorted(after.items()) if address not in before]
+
+
 def counts_since(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
@@ -974,6 +995,8 @@ def main(argv=None) -> int:
         if args.settle_s > 0:
             time.sleep(args.settle_s)
         result["threads_at_request0"] = sorted(t.name for t in threading.enumerate())
+        # the measuring thread's stream (vLLM's in-process engine runs on it), beside new_segments' streams
+        result["stream_at_request0"] = torch.cuda.current_stream().cuda_stream if segments() is not None else None
         for i, req in enumerate(scenario):
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])
             dg0 = deepgemm_entries(dg_dir)
@@ -981,7 +1004,7 @@ def main(argv=None) -> int:
             profiler = cProfile.Profile() if i in args.profile else None
             gc0 = gc_timer.snapshot()
             host0 = host.snapshot()
-            alloc0 = allocator_counts()
+            alloc0, segs0 = allocator_counts(), segments()
             cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
             traced: dict = {}
@@ -991,6 +1014,8 @@ def main(argv=None) -> int:
             gc_passes = gc_timer.since(gc0)
             host_delta = host.since(host0)
             alloc = counts_since(alloc0, allocator_counts())
+            if alloc and alloc.get("num_device_alloc") and (grown := new_segments(segs0, segments())) is not None:
+                alloc["new_segments"] = grown  # which pool, size and stream grew
             # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
             cpu = {"process_s": round(time.process_time() - cpu0[0], 4), "thread_s": round(time.thread_time() - cpu0[1], 4)}
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None

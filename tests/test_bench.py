@@ -319,6 +319,15 @@ def test_chart_script_runs_alone(tmp_path):
 
 # ---------------------------------------------------------------------- engine_bench
 
+def test_new_segments_name_the_pool_size_and_stream_a_request_grew():
+    assert engine_bench.segments() is None  # no CUDA here
+    before = {0x7000: ("small", 2 << 20, 11), 0x9000: ("large", 20 << 20, 11)}
+    after = {**before, 0x8000: ("large", 60 << 20, 27), 0x6000: ("small", 2 << 20, 11)}
+    assert engine_bench.new_segments(before, after) == [
+        {"pool": "small", "mib": 2.0, "stream": 11}, {"pool": "large", "mib": 60.0, "stream": 27}]
+    assert engine_bench.new_segments(None, after) is None and engine_bench.new_segments(before, before) == []
+
+
 def test_allocator_counts_need_cuda_and_subtract_per_counter():
     assert engine_bench.allocator_counts() is None  # CUDA_VISIBLE_DEVICES="": no CUDA here
     before = {"num_device_alloc": 40, "num_host_alloc": 3}
