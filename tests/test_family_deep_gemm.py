@@ -251,18 +251,28 @@ def test_the_linear_layers_come_from_each_releases_own_warmup_module(release):
     from conftest import cpu_triton_env, run_py
 
     code = """
-import json, torch
+import json, torch, types
+from vllm.model_executor.kernels.linear.scaled_mm import deep_gemm
 from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
 from kwarm_ext.kernels import deep_gemm as dg
+
+# a model as vLLM builds it, before the weights load: the release's own DeepGEMM kernel class
+layer = torch.nn.Linear(7168, 2112, bias=False)
+layer.weight_scale_inv = torch.nn.Parameter(torch.empty(17, 56), requires_grad=False)
+layer.quant_method = types.SimpleNamespace(fp8_linear=object.__new__(deep_gemm.DeepGemmFp8BlockScaledMMKernel))
+jobs = dg.shape_jobs(torch.nn.Sequential(layer, torch.nn.Linear(4, 4)), 8)
 print(json.dumps({"gaps": dg.warmup_gaps(w_mod), "stamped": hasattr(w_mod, "_deep_gemm_linear_data"),
                   "plain_linear": dg.linear_data(w_mod, torch.nn.Linear(4, 4)),
-                  "without": dg.warmup_gaps(type("M", (), {})())}))
+                  "without": dg.warmup_gaps(type("M", (), {})()),
+                  "by_shape": [[j["shape"], j["ws_shape"], [c[0] for c in j["counts"]]] for j in jobs]}))
 """
-    proc = run_py(code, env=cpu_triton_env(), release=release)
+    proc = run_py(code, env=dict(cpu_triton_env(), VLLM_DEEP_GEMM_WARMUP="full"), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["gaps"] == [] and out["stamped"] is (release == "0.33.0")
     assert out["plain_linear"] is None  # a bf16 nn.Linear runs on no DeepGEMM kernel
+    # before the load, the layer vLLM put on DeepGEMM is found by its kernel, with vLLM's own counts
+    assert out["by_shape"] == [[[2112, 7168], [17, 56], list(range(1, 9))]]
     assert out["without"] == ["_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
                               "_extract_data_from_fused_moe_module", "_get_grouped_gemm_params",
                               "_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module"]
