@@ -490,14 +490,22 @@ def allocator_counts() -> dict | None:
     return {name: stats[name] for name in ALLOCATOR_STATS if name in stats}
 
 
+def snapshots() -> bool:
+    """Whether the device caching allocator can be read here (CUDA started, a torch with
+    ``memory_snapshot``)."""
+    import torch
+
+    cuda = torch.cuda
+    return cuda.is_available() and getattr(cuda, "is_initialized", lambda: False)() and hasattr(cuda, "memory_snapshot")
+
+
 def segments() -> dict | None:
     """The device caching allocator's segments where CUDA is there: address -> (pool, bytes,
     stream) from ``torch.cuda.memory_snapshot()``. Each pool is per stream: a segment a request
     starts on a stream that a startup reserve did not use shows which stream to warm."""
     import torch
 
-    cuda = torch.cuda
-    if not (cuda.is_available() and getattr(cuda, "is_initialized", lambda: False)() and hasattr(cuda, "memory_snapshot")):
+    if not snapshots():
         return None
     return {seg["address"]: (seg.get("segment_type"), seg["total_size"], seg.get("stream"))
             for seg in torch.cuda.memory_snapshot()}
@@ -996,7 +1004,7 @@ def main(argv=None) -> int:
             time.sleep(args.settle_s)
         result["threads_at_request0"] = sorted(t.name for t in threading.enumerate())
         # the measuring thread's stream (vLLM's in-process engine runs on it), beside new_segments' streams
-        result["stream_at_request0"] = torch.cuda.current_stream().cuda_stream if segments() is not None else None
+        result["stream_at_request0"] = torch.cuda.current_stream().cuda_stream if snapshots() else None
         for i, req in enumerate(scenario):
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])
             dg0 = deepgemm_entries(dg_dir)

@@ -140,11 +140,16 @@ def before_load(worker) -> None:
     """Run the selected ``before_load`` families' ``before_load(worker)`` as vLLM starts loading
     `worker`'s weights (``Worker.load_model``); each is one isolated step, and :func:`ahead`
     releases what they started."""
+    _each_before_load("before weight loading", lambda module: module.before_load(worker))
+
+
+def _each_before_load(when: str, call) -> None:
+    """`call` each selected ``before_load`` family's module, one isolated step each."""
     settings = config.get()
     for name, family in FAMILIES.items():
         if family.before_load and settings.warmups.wants(name):
             try:
-                guarded(f"{name} before weight loading", lambda: family.load().before_load(worker))
+                guarded(f"{name} {when}", lambda: call(family.load()))
             except StepFailed:
                 pass
 
@@ -168,13 +173,8 @@ def model_built(model) -> None:
     A model built outside a worker's load (none loading) is not one."""
     if not _loading:
         return
-    worker, settings = _loading[-1], config.get()
-    for name, family in FAMILIES.items():
-        if family.before_load and settings.warmups.wants(name):
-            try:
-                guarded(f"{name} as the model was built", lambda: family.load().model_built(worker, model))
-            except StepFailed:
-                pass
+    worker = _loading[-1]
+    _each_before_load("as the model was built", lambda module: module.model_built(worker, model))
 
 
 def after_capture(worker) -> dict | None:

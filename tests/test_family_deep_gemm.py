@@ -187,11 +187,14 @@ def _vllm_layouts(ms, top_k=8, experts=256):
         M=m, num_topk=top_k, local_num_experts=experts, alignment=128, expert_tokens_meta=None) for m in ms})
 
 
-def test_grouped_layouts_are_every_m_sum_a_batch_reaches_including_those_vllms_list_misses(monkeypatch):
+def test_grouped_layouts_are_every_m_sum_a_batch_reaches_including_those_vllms_list_misses(monkeypatch, tmp_path):
     # DeepSeek-V3.2's MoE (256 experts, top-8, hidden 7168, intermediate 2048) on vLLM's own
     # layout code; the experts are vLLM's real TritonOrDeepGemmExperts (uninitialized: only its
     # class decides), whose Triton fallback takes batches below DeepGEMM's alignment.
     from types import SimpleNamespace
+
+    # vLLM's DeepGEMM set-up points DG_JIT_CACHE_DIR for the process: here, undone after the test
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
 
     from vllm.model_executor.layers.fused_moe.experts.triton_deep_gemm_moe import TritonOrDeepGemmExperts
     from vllm.model_executor.warmup import deep_gemm_warmup as w_mod
@@ -470,7 +473,8 @@ def test_the_ahead_run_waits_for_the_work_sent_as_the_model_was_built_and_runs_o
         "1 weights, 1 calls in 1 runs sent to 0 processes as the model was built, before its weights loaded; 0 kernels new")
 
 
-def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log):
+def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log,
+                                                                                    tmp_path):
     # vLLM's Worker.load_model and initialize_model through kwarm's patches, on stand-in modules:
     # the processes start before the load, get the work by shape once the model is built (real
     # child processes: here they cannot make CUDA tensors, which is how any failure looks)
@@ -485,6 +489,9 @@ def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_lin
     monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: 3)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
+    # vLLM's real warmup filter runs here, and its DeepGEMM set-up points DG_JIT_CACHE_DIR for the
+    # process: at this test's folder, undone after it
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
     model = torch.nn.Sequential(_dg_layer(2112, 7168, deep_gemm.DeepGemmFp8BlockScaledMMKernel))
     loader = types.ModuleType("stand_in_base_loader")
     loader.initialize_model = lambda **kw: model

@@ -114,7 +114,7 @@ def linear_data(w_mod, module):
     filter leaves the layer out (:func:`runs_on_deep_gemm`)."""
     if hasattr(w_mod, "_deep_gemm_linear_data"):
         return w_mod._deep_gemm_linear_data(module)
-    if w_mod._fp8_linear_may_use_deep_gemm(module) or runs_on_deep_gemm(module):
+    if _takes_linear(w_mod, module):
         w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
         return w, ws
     return None
@@ -205,9 +205,8 @@ def model_built(worker, model) -> None:
     _send(procs[:n], {"device": device.index or 0, "jobs": shapes, "work": work, "claims": claims.name,
                       "sent": time.time()}, pickle.dumps)
     _early[id(worker)] = procs[n:]
-    _sent[id(worker)] = {"procs": procs[:n], "keys": {job_key(job) for job in jobs}, "claims": claims, "t0": t0,
-                         "before": cached_kernels(_cache_dir()), "work": work, "jobs": jobs,
-                         "weights": len(jobs), "calls": sum(len(job["counts"]) for job in jobs)}
+    _sent[id(worker)] = {"procs": procs[:n], "jobs": jobs, "work": work, "claims": claims, "t0": t0,
+                         "before": cached_kernels(_cache_dir()), "calls": sum(len(job["counts"]) for job in jobs)}
     logger.info("kwarm: deep_gemm: %d weights, %d token counts sent to %d compile processes as the model was "
                 "built, before its weights load", len(jobs), _sent[id(worker)]["calls"], n)
 
@@ -220,10 +219,9 @@ def shape_jobs(model, max_tokens: int) -> list:
     counts. MoE layers set their experts up as their weights are processed: the ahead run
     takes them (:func:`gemm_jobs`)."""
     w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
-    may_use = getattr(w_mod, "_fp8_linear_may_use_deep_gemm", None)
     jobs, seen = [], set()
     for module in model.modules():
-        if not (runs_on_deep_gemm(module) or (may_use is not None and may_use(module))):
+        if not _takes_linear(w_mod, module):
             continue
         w = getattr(module, "weight", None)
         ws = getattr(module, "weight_scale_inv", None)
@@ -234,6 +232,13 @@ def shape_jobs(model, max_tokens: int) -> list:
         counts = [(m, None, None) for m in w_mod._get_fp8_gemm_nt_m_values(w, max_tokens)]
         jobs.append({"kind": "linear", "shape": tuple(w.shape), "ws_shape": tuple(ws.shape), "counts": counts})
     return jobs
+
+
+def _takes_linear(w_mod, module) -> bool:
+    """Whether a linear layer runs on DeepGEMM by vLLM's kernel choice (:func:`runs_on_deep_gemm`)
+    or by the warmup filter of vLLM 0.20-0.32 (``_fp8_linear_may_use_deep_gemm``), loaded or not."""
+    may_use = getattr(w_mod, "_fp8_linear_may_use_deep_gemm", None)
+    return runs_on_deep_gemm(module) or (may_use is not None and may_use(module))
 
 
 def job_key(job: dict) -> tuple:
@@ -370,7 +375,8 @@ def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list
         except BaseException:
             _stop(early)
             raise
-        jobs = [job for job in jobs if job_key(job) not in sent["keys"]]
+        covered = {job_key(job) for job in sent["jobs"]}
+        jobs = [job for job in jobs if job_key(job) not in covered]
         if not jobs:
             _stop(early)
             return labels
@@ -415,7 +421,7 @@ def _finish(sent: dict, cache: str) -> str:
         sent["claims"].cleanup()
     end = time.perf_counter()
     wall_s, new = end - sent["t0"], cached_kernels(cache) - sent["before"]
-    return (f"{sent['weights']} weights, {sent['calls']} calls in {len(sent['work'])} runs sent to {len(outcomes)} "
+    return (f"{len(sent['jobs'])} weights, {sent['calls']} calls in {len(sent['work'])} runs sent to {len(outcomes)} "
             f"processes as the model was built, before its weights loaded; {new} kernels new in {cache}, "
             f"{wall_s:.0f} s from then, {end - waited:.1f} s of it after the load "
             f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+
 CHILD_TIMEOUT_S = 1800.0
 RUN_COUNTS = 8  # a run of the work list holds at most this many of one weight's token counts (chunks)
 
