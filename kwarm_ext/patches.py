@@ -170,8 +170,8 @@ def release_cached_memory() -> None:
 def _wrap_load_model(wrapped, instance, args, kwargs):
     """Run kwarm's ``before_load`` steps, then vLLM's ``Worker.load_model``.
 
-    Why: ``deep_gemm`` compiles on child processes that import torch and vLLM before they can
-    call DeepGEMM, seconds each and slower fifteen at a time; started after the load, as the
+    Why: ``deep_gemm`` compiles on processes forked by one that imports torch and vLLM first,
+    seconds before the first call (fifteen separate imports took 17 s); started after the load, as the
     ahead run did, their imports and the first compiles overlapped nothing (a cold FP8 start on
     vLLM 0.29.0: 15-18 s between the work list going out and the processes' last call ending,
     beyond their busiest's calls; BENCHMARKS.md). Started here, they import while vLLM reads the

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -291,20 +293,20 @@ def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
     try:
         jobs = [{"kind": "linear", "w": torch.zeros(4, 4), "ws": torch.ones(1, 1), "counts": [(1, None, None)]}]
         buffers = {"a": torch.zeros(16), "scale": torch.zeros(4), "out": torch.zeros(16)}
-        with pytest.raises(RuntimeError) as err:  # one started ahead (as beside a cold probe), one here
+        with pytest.raises(RuntimeError) as err:  # two processes forked by one parent
             dg.run_children([(0, [(1, None, None)]), (0, [(2, None, None)])], 2, jobs, buffers, "cuda:0",
-                            started=dg.start_children(1))
+                            server=dg.start_forkserver())
     finally:
         tmp.set_sharing_strategy(old)
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("2 of 2 DeepGEMM compile processes failed; first: exit 1: ")
-    assert "Error" in message.split("exit 1: ", 1)[1]
+    assert message.startswith("2 of 2 DeepGEMM compile processes failed (exit 2); first: ")
+    assert "Error" in message.split("first: ", 1)[1]
 
 
-def test_a_child_started_ahead_exits_quietly_when_no_payload_comes(tmp_path):
-    # the probe found the kernels cached: the parent closes the children's stdin unwritten
-    (proc, out, err), = dg.start_children(1)
+def test_a_parent_started_ahead_exits_quietly_when_no_work_comes(tmp_path):
+    # the probe found the kernels cached: the engine closes the parent's stdin unwritten
+    proc, out, err = dg.start_forkserver()
     proc.stdin.close()
     assert proc.wait(timeout=300) == 0
     out.seek(0)
@@ -397,12 +399,13 @@ def test_processes_started_before_the_load_end_with_the_ahead_run_that_did_not_t
     worker = module.Worker()
     vars(worker).update(vars(stand_in_worker()))
     assert worker.load_model(load_dummy_weights=False) == {"load_dummy_weights": False}
-    procs = [proc for proc, _, _ in seen[0][id(worker)]]
-    assert len(procs) == 2 and all(proc.poll() is None for proc in procs), "started before the load, running"
-    assert any("2 compile processes started beside weight loading" in m for m in kwarm_log.messages(logging.INFO))
+    (proc, _, _), processes = seen[0][id(worker)]
+    assert processes == 2 and proc.poll() is None, "started before the load, running"
+    assert any("the parent of 2 compile processes started beside weight loading" in m
+               for m in kwarm_log.messages(logging.INFO))
     results = warmup.ahead(worker)
     assert [(r.name, r.status) for r in results] == [("deep_gemm", "skipped")]
-    assert id(worker) not in dg._early and all(proc.wait(timeout=60) is not None for proc in procs)
+    assert id(worker) not in dg._early and proc.wait(timeout=60) is not None
 
 
 def test_the_summary_says_when_the_processes_were_ready_and_done():
@@ -463,14 +466,18 @@ def test_the_ahead_run_waits_for_the_work_sent_as_the_model_was_built_and_runs_o
     import tempfile as tf
 
     monkeypatch.setattr(dg, "_cache_dir", lambda: str(tmp_path))
-    monkeypatch.setattr(dg, "start_children", lambda n: pytest.fail("nothing left to compile"))
+    monkeypatch.setattr(dg, "start_forkserver", lambda: pytest.fail("nothing left to compile"))
     job = {"kind": "linear", "shape": (256, 512), "ws_shape": (2, 4), "counts": [(1, None, None)]}
     loaded = [{"kind": "linear", "w": torch.empty(256, 512, device="meta"), "ws": None, "counts": [(1, None, None)]}]
-    sent = {"procs": [], "keys": {dg.job_key(job)}, "claims": tf.TemporaryDirectory(), "t0": time.perf_counter(),
-            "before": 0, "work": dg.chunks([job["counts"]]), "jobs": [job], "weights": 1, "calls": 1}
-    labels = dg.compile_ahead(loaded, "cuda:0", 1, early=(), sent=sent)
+    out, err = tf.TemporaryFile(), tf.TemporaryFile()
+    line = json.dumps({"calls": 1, "runs": 1, "seconds": 0.5})
+    proc = subprocess.Popen([sys.executable, "-c", f"print({line!r})"], stdin=subprocess.PIPE, stdout=out, stderr=err)
+    server = (proc, out, err)  # a parent whose one process did the work and exited
+    sent = {"server": server, "processes": 1, "claims": tf.TemporaryDirectory(), "t0": time.perf_counter(),
+            "before": 0, "work": dg.chunks([job["counts"]]), "jobs": [job], "calls": 1}
+    labels = dg.compile_ahead(loaded, "cuda:0", 1, early=None, sent=sent)
     assert len(labels) == 1 and labels[0].startswith(
-        "1 weights, 1 calls in 1 runs sent to 0 processes as the model was built, before its weights loaded; 0 kernels new")
+        "1 weights, 1 calls in 1 runs sent to 1 processes as the model was built, before its weights loaded; 0 kernels new")
 
 
 def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log,
@@ -504,15 +511,22 @@ def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_lin
     worker.vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8),
                                                parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
     worker.load_model()
-    sent, early = dg._sent.pop(id(worker)), dg._early.pop(id(worker))
-    assert len(sent["procs"]) == 1 and len(early) == 1, "one run of work: one process sent it, one left"
+    sent = dg._sent.pop(id(worker))
+    assert sent["processes"] == 1 and id(worker) not in dg._early, "one run of work: one process, the parent taken"
     assert sent["calls"] == 8 and [j["shape"] for j in sent["jobs"]] == [(2112, 7168)]
     assert any("1 weights, 8 token counts sent to 1 compile processes as the model was built" in m
                for m in kwarm_log.messages(logging.INFO))
     loaded = [{"kind": "linear", "w": torch.empty(2112, 7168, device="meta"), "ws": None,
                "counts": [(m, None, None) for m in range(1, 9)]}]
     with pytest.raises(RuntimeError) as err:
-        dg.compile_ahead(loaded, "cuda:0", 1, early=early, sent=sent)
+        dg.compile_ahead(loaded, "cuda:0", 1, early=None, sent=sent)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("1 of 1 DeepGEMM compile processes failed; first: exit 1: ")
-    assert all(proc.poll() is not None for proc, _, _ in early), "the unsent process does not outlive the step"
+    assert "\n" not in message and message.startswith("1 of 1 DeepGEMM compile processes failed (exit 1); first: ")
+    assert sent["server"][0].poll() is not None, "the parent does not outlive the step"
+
+
+def test_the_summary_counts_compiles_apart_from_kernels_so_duplicates_show():
+    # two processes that each compiled the same kernel: 2 compiles, 1 kernel new in the cache
+    outcomes = [{"seconds": 4.0, "compiles": 1, "compile_s": 3.5}, {"seconds": 5.0, "compiles": 1, "compile_s": 4.5}]
+    assert dg._throughput(1, 5.0, outcomes) == ("0.20 kernels/s; processes busy 9 s in all, 9.0 s a kernel, "
+                                                "the slowest 5 s; 2 compiles for 1 kernels, 4.0 s each")

@@ -59,7 +59,7 @@ from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
-    longest_runs, made_tensors, readiness, run_children, run_counts, spread, start_children)
+    forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread, start_forkserver)
 
 logger = logging.getLogger("kwarm")
 
@@ -126,25 +126,26 @@ def plan(view, forced) -> list:
         return [Step("block-FP8 GEMMs", KERNEL, skip="no layer runs on DeepGEMM")]
     calls = sum(len(job["counts"]) for job in jobs)
     return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL, summary=True,
-                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), ()),
+                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), None),
                                            _sent.pop(id(view.worker), None)))]
 
 
-_early: dict = {}  # id(worker) -> the processes before_load started, until its ahead run takes them
+_early: dict = {}  # id(worker) -> (server, processes) before_load started, until model_built or the ahead run takes it
 
 
 def before_load(worker) -> None:
     """As vLLM starts loading `worker`'s weights: on a block-FP8 model that will run DeepGEMM on a
-    cache holding no DeepGEMM GEMM, start the compile processes now (:func:`start_children`), so
-    that their imports overlap the load; :func:`compile_ahead` takes them, :func:`release` ends
-    those it did not take. Elsewhere nothing starts (the ahead run probes and spawns as before)."""
+    cache holding no DeepGEMM GEMM, start the compile processes' parent now
+    (:func:`start_forkserver`), so that its imports overlap the load; :func:`model_built` or
+    :func:`compile_ahead` takes it, :func:`release` ends it if neither did. Elsewhere nothing
+    starts (the ahead run probes and starts one as before)."""
     if early_start_gap(worker) is not None:
         return
     tp_size = getattr(worker.vllm_config.parallel_config, "tensor_parallel_size", 1)
     n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
-    _early[id(worker)] = start_children(n)
-    logger.info("kwarm: deep_gemm: %d compile processes started beside weight loading (DeepGEMM's cache "
-                "%s holds no GEMM kernel)", n, _cache_dir())
+    _early[id(worker)] = (start_forkserver(), n)
+    logger.info("kwarm: deep_gemm: the parent of %d compile processes started beside weight loading (DeepGEMM's "
+                "cache %s holds no GEMM kernel)", n, _cache_dir())
 
 
 def early_start_gap(worker) -> str | None:
@@ -167,10 +168,11 @@ def early_start_gap(worker) -> str | None:
 def release(worker) -> None:
     """End the processes :func:`before_load` started for `worker` that no ahead run took (the
     family skipped, or found no DeepGEMM layer), those :func:`model_built` sent work included."""
-    _stop(_early.pop(id(worker), ()))
+    early = _early.pop(id(worker), None)
+    _stop([early[0]] if early else [])
     sent = _sent.pop(id(worker), None)
     if sent is not None:
-        _stop(sent["procs"])
+        _stop([sent["server"]])
         sent["claims"].cleanup()
 
 
@@ -184,8 +186,8 @@ def model_built(worker, model) -> None:
     of that shape, DeepGEMM's kernel depends on the shapes, not the values), so that the
     compiles run while the weights load. As many processes as the GPU's free memory holds
     (:func:`fitting`); :func:`compile_ahead` waits for them and runs what they did not cover."""
-    procs = _early.get(id(worker))
-    if not procs:
+    early = _early.get(id(worker))
+    if not early:
         return
     import torch
 
@@ -194,7 +196,7 @@ def model_built(worker, model) -> None:
         return
     device = torch.device(worker.device)
     work = chunks([job["counts"] for job in jobs])
-    n = min(len(procs), len(work), fitting(jobs, *torch.cuda.mem_get_info(device)))
+    n = min(early[1], len(work), fitting(jobs, *torch.cuda.mem_get_info(device)))
     if n < 1:
         logger.info("kwarm: deep_gemm: the GPU's free memory holds no compile process beside the weights; "
                     "the compiles wait for the load")
@@ -202,10 +204,10 @@ def model_built(worker, model) -> None:
     claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
     shapes = {j: {key: job[key] for key in ("kind", "shape", "ws_shape")} for j, job in enumerate(jobs)}
     t0 = time.perf_counter()
-    _send(procs[:n], {"device": device.index or 0, "jobs": shapes, "work": work, "claims": claims.name,
-                      "sent": time.time()}, pickle.dumps)
-    _early[id(worker)] = procs[n:]
-    _sent[id(worker)] = {"procs": procs[:n], "jobs": jobs, "work": work, "claims": claims, "t0": t0,
+    _send(early[0], n, {"device": device.index or 0, "jobs": shapes, "work": work, "claims": claims.name,
+                        "sent": time.time()}, pickle.dumps)
+    del _early[id(worker)]
+    _sent[id(worker)] = {"server": early[0], "processes": n, "jobs": jobs, "work": work, "claims": claims, "t0": t0,
                          "before": cached_kernels(_cache_dir()), "calls": sum(len(job["counts"]) for job in jobs)}
     logger.info("kwarm: deep_gemm: %d weights, %d token counts sent to %d compile processes as the model was "
                 "built, before its weights load", len(jobs), _sent[id(worker)]["calls"], n)
@@ -359,12 +361,12 @@ def _deep_gemm_takes(module):
     return getattr(owner, "_valid_deep_gemm_shape", None)
 
 
-def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list:
-    """Every count of every job on child processes: first waits for the work :func:`model_built`
-    `sent` (if any) and leaves out the jobs it covered; the rest on the processes `early`
-    (:func:`before_load`'s) or new ones, unless a probe of the first job's first count finds the
-    cache warm; a cache holding no DeepGEMM GEMM (or one the early processes found so) is cold
-    without a probe. Returns the step's labels (what ran, where, what it left in the cache)."""
+def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> list:
+    """Every count of every job on compile processes: first waits for the work :func:`model_built`
+    `sent` (if any) and leaves out the jobs it covered; the rest on processes forked by `early`
+    (:func:`before_load`'s ``(server, processes)``) or a new server, unless a probe of the first
+    job's first count finds the cache warm; a cache holding no DeepGEMM GEMM (or one found so
+    before the load) is cold without a probe. Returns the step's labels (what ran, where, what it left in the cache)."""
     import torch
 
     cache = _cache_dir()
@@ -373,12 +375,12 @@ def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list
         try:
             labels.append(_finish(sent, cache))
         except BaseException:
-            _stop(early)
+            _stop([early[0]] if early else [])
             raise
         covered = {job_key(job) for job in sent["jobs"]}
         jobs = [job for job in jobs if job_key(job) not in covered]
         if not jobs:
-            _stop(early)
+            _stop([early[0]] if early else [])
             return labels
     before = cached_kernels(cache)
     children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
@@ -386,10 +388,12 @@ def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list
     work = chunks([job["counts"] for job in jobs])
     children = min(children, len(work))
     cold = bool(early) or sent is not None or cached_kernels(cache, "gemm") == 0
-    started = list(early) or (start_children(children) if cold else [])
+    if early:
+        children = min(children, early[1])
+    server = early[0] if early else (start_forkserver() if cold else None)  # imports while the probe runs
     try:
         if cold:
-            how = (f"no GEMM in the cache, no probe; {len(started)} processes started beside weight loading"
+            how = ("no GEMM in the cache, no probe; their parent started beside weight loading"
                    if early else "no GEMM in the cache, no probe")
         else:
             probe = [dict(jobs[0], counts=jobs[0]["counts"][:1])]  # one call, scratch for it alone
@@ -402,9 +406,9 @@ def compile_ahead(jobs: list, device: str, tp_size, early=(), sent=None) -> list
             how = f"probe {probe_s:.1f} s (compiled)"
         buffers = _buffers(jobs, device)  # the full scratch only on a cold cache
         t0 = time.perf_counter()
-        outcomes = run_children(work, children, jobs, buffers, device, started=started)
+        outcomes = run_children(work, children, jobs, buffers, device, server=server)
     finally:
-        _stop(started)  # unused (warm probe, more than needed) or failed: none outlives the step
+        _stop([server] if server else [])  # unused (warm probe) or failed: none outlives the step
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
     return labels + [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs "
                      f"pulled by {len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s "
@@ -416,8 +420,9 @@ def _finish(sent: dict, cache: str) -> str:
     """Wait for the processes :func:`model_built` sent work; the label of what they did."""
     waited = time.perf_counter()
     try:
-        outcomes = _collect(sent["procs"])
+        outcomes = _collect(sent["server"], sent["processes"])
     finally:
+        _stop([sent["server"]])
         sent["claims"].cleanup()
     end = time.perf_counter()
     wall_s, new = end - sent["t0"], cached_kernels(cache) - sent["before"]

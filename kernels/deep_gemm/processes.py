@@ -1,6 +1,7 @@
 """deep_gemm's work list and compile processes: how vLLM's token counts are cut into runs
-(:func:`chunks`), the child processes that pull the runs and call vLLM's DeepGEMM entries
-(:func:`start_children`, :func:`run_children`, :func:`child`), with the engine's tensors
+(:func:`chunks`), the compile processes that pull the runs and call vLLM's DeepGEMM entries,
+forked by one parent that imported what they need (:func:`start_forkserver`, :func:`run_children`,
+:func:`forkserver`, :func:`child`), with the engine's tensors
 through CUDA IPC or tensors of their own made from a job's shapes (:func:`made_tensors`), and
 what the summary says of them (:func:`readiness`, :func:`longest_runs`). The family, and why
 it exists, is the package's ``__init__``.
@@ -11,25 +12,39 @@ import itertools
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 CHILD_TIMEOUT_S = 1800.0
+COMPILE_S = 0.5  # a DeepGEMM call this long compiled its kernel (NVCC: seconds; a cached one loads in ms)
 RUN_COUNTS = 8  # a run of the work list holds at most this many of one weight's token counts (chunks)
 
 
-def _stop(procs) -> None:
-    """Kill what is still running of `procs` (``start_children``'s triples) and close their files."""
-    for proc, out, err in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdin is not None:
-            proc.stdin.close()
+def _stop(servers) -> None:
+    """Kill what still runs of `servers` (:func:`start_forkserver`'s triples) and of what they
+    forked (their process groups), and close their files."""
+    for proc, out, err in servers:
+        _kill(proc)
+        if proc.stdin is not None and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
         out.close()
         err.close()
+
+
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def chunks(counts_per_job: list, size: int = RUN_COUNTS) -> list:
@@ -63,9 +78,14 @@ def spread(n: int) -> list:
 
 
 def _throughput(new: int, wall_s: float, outcomes: list) -> str:
+    """Kernels per second of wall time, and where the processes' time went: their calls in all,
+    the compiles among them (more compiles than new kernels: two processes built one kernel)."""
     busy = sum(o["seconds"] for o in outcomes)
+    compiles = sum(o.get("compiles", 0) for o in outcomes)
+    compile_s = sum(o.get("compile_s", 0.0) for o in outcomes)
     return (f"{new / max(wall_s, 1e-9):.2f} kernels/s; processes busy {busy:.0f} s in all, "
-            f"{busy / max(new, 1):.1f} s a kernel, the slowest {max((o['seconds'] for o in outcomes), default=0):.0f} s")
+            f"{busy / max(new, 1):.1f} s a kernel, the slowest {max((o['seconds'] for o in outcomes), default=0):.0f} s; "
+            f"{compiles} compiles for {new} kernels, {compile_s / max(compiles, 1):.1f} s each")
 
 
 def readiness(outcomes: list) -> str:
@@ -127,8 +147,11 @@ def _scale_cols(k: int) -> int:
     return -(-k // 128)
 
 
-def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
-    """Call vLLM's DeepGEMM entry for each (job, its counts); returns the number of calls."""
+def run_counts(jobs: list, counts_per_job: list, buffers: dict, compiled: list | None = None) -> int:
+    """Call vLLM's DeepGEMM entry for each (job, its counts); returns the number of calls.
+    `compiled` (if given) gains the seconds of each call that took ``COMPILE_S`` or more: one that
+    compiled (DeepGEMM builds a kernel on the CPU before it launches; a loaded one returns in
+    milliseconds)."""
     from vllm.utils import deep_gemm
 
     calls = 0
@@ -136,6 +159,7 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
         w, ws = job["w"], job["ws"]
         n, k = w.shape[-2], w.shape[-1]
         for m, align, expert_ids in counts:
+            started = time.perf_counter()
             a = buffers["a"][:m * k].view(m, k)
             a_s = buffers["scale"][:m * _scale_cols(k)].view(m, _scale_cols(k))
             out = buffers["out"][:m * n].view(m, n)
@@ -147,31 +171,36 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict) -> int:
                 with deep_gemm.mk_alignment_scope(align):
                     deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, a_s), (w, ws), out, expert_ids)
             calls += 1
+            if compiled is not None and time.perf_counter() - started >= COMPILE_S:
+                compiled.append(time.perf_counter() - started)
     return calls
 
 
-def start_children(n: int) -> list:
-    """`n` compile processes, started: each imports torch and vLLM's DeepGEMM wrapper, then
-    waits for its payload on stdin (:func:`child`). Returns ``[(Popen, stdout file, stderr
-    file)]``: stdout and stderr go to files, so that a child's vLLM log lines never fill a pipe
-    nobody reads yet."""
-    env = dict(os.environ, KWARM_ENABLE="0")  # a child is not an engine (DG_JIT_CACHE_DIR as vLLM set it)
-    procs = []
-    for _ in range(max(1, n)):
-        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm.processes import child; child()"],
-                                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env)
-        procs.append((proc, out, err))
-    return procs
+def start_forkserver() -> tuple:
+    """The compile processes' parent, started: one process that imports torch and vLLM's DeepGEMM
+    wrapper, then waits for its work on stdin and forks the compile processes that do it
+    (:func:`forkserver`). Returns ``(Popen, stdout file, stderr file)``: stdout and stderr go to
+    files, so that vLLM's log lines never fill a pipe nobody reads yet.
+
+    Why one parent that forks: fifteen processes each importing torch and vLLM took 17-18 s beside
+    vLLM's weight loading before their first call (DeepSeek-V3.2 FP8 dimensions, vLLM 0.29.0,
+    BENCHMARKS.md); forked from one that imported once, they start with the imports done. The
+    parent never touches CUDA (it would make CUDA unusable in what it forks)."""
+    env = dict(os.environ, KWARM_ENABLE="0")  # not an engine (DG_JIT_CACHE_DIR as vLLM set it)
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm.processes import forkserver; "
+                             "forkserver()"], stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
+                            start_new_session=True)  # its own process group: _stop ends what it forked
+    return proc, out, err
 
 
-def run_children(work: list, children: int, jobs: list, buffers: dict, device: str, started=()) -> list:
-    """`children` processes at once (those `started` already, then new ones), pulling the runs
-    of `work` in order: each claims the next unclaimed run (an exclusive-create file per run in
-    a scratch folder, so no run is done twice) until none is left. Each gets the jobs' tensors
-    and the buffers through CUDA IPC (torch's multiprocessing pickler) on its stdin. Returns
-    each child's ``{"calls", "runs", "seconds", "run_s", "ready", "done"}``; a child that fails
-    raises with its last error line."""
+def run_children(work: list, children: int, jobs: list, buffers: dict, device: str, server=None) -> list:
+    """`children` processes at once, forked by `server` (:func:`start_forkserver`; a new one if
+    None), pulling the runs of `work` in order: each claims the next unclaimed run (an
+    exclusive-create file per run in a scratch folder, so no run is done twice) until none is
+    left. Each gets the jobs' tensors and the buffers through CUDA IPC (torch's multiprocessing
+    pickler). Returns each process's ``{"calls", "runs", "seconds", "run_s", "ready", "done"}``;
+    raises one line naming the first failure."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
@@ -179,54 +208,48 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     index = torch.device(device).index or 0
     claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
     shared = {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]} for j, _ in work}
-    procs = list(started)[:max(1, children)]
-    procs += start_children(max(1, children) - len(procs))
-    _send(procs, {"device": index, "jobs": shared, "work": work, "claims": claims.name, "buffers": buffers,
-                  "sent": time.time()}, lambda payload: bytes(ForkingPickler.dumps(payload)))
+    server = server or start_forkserver()
     try:
-        return _collect(procs)  # `jobs` and `buffers` stay alive here until every child is done
+        _send(server, max(1, children), {"device": index, "jobs": shared, "work": work, "claims": claims.name,
+                                         "buffers": buffers, "sent": time.time()},
+              lambda payload: bytes(ForkingPickler.dumps(payload)))
+        return _collect(server, max(1, children))  # `jobs` and `buffers` stay alive here until all are done
     finally:
+        _stop([server])
         claims.cleanup()
 
 
-def _send(procs: list, payload: dict, dumps) -> None:
-    """Write the payload to a file in its claims folder and its path to each process's stdin:
-    a pipe holds 64 KiB, and a process still importing would block a larger write (and the
-    weight loading behind it) until it reads."""
+def _send(server: tuple, children: int, payload: dict, dumps) -> None:
+    """Write the payload to a file in its claims folder, and the number of processes to fork
+    with the file's path to `server`'s stdin: a pipe holds 64 KiB, and a server still importing
+    would block a larger write (and the weight loading behind it) until it reads."""
     path = os.path.join(payload["claims"], "payload")
     with open(path, "wb") as f:
         f.write(dumps(payload))
-    for proc, _, _ in procs:
-        try:
-            proc.stdin.write(path.encode())
-            proc.stdin.close()
-        except BrokenPipeError:  # it died at start: its stderr says why, in _collect
-            pass
+    proc = server[0]
+    try:
+        proc.stdin.write(f"{children} {path}".encode())
+        proc.stdin.close()
+    except BrokenPipeError:  # it died at start: its stderr says why, in _collect
+        pass
 
 
-def _collect(procs: list) -> list:
-    """Wait for `procs` (at most ``CHILD_TIMEOUT_S`` in all) and read each one's JSON line;
-    raises one line naming the first failure."""
-    outcomes, failures = [], []
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    for proc, out, err in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        last = [line for line in out.read().decode(errors="replace").splitlines() if line.startswith("{")]
-        if proc.returncode == 0 and last:
-            outcomes.append(json.loads(last[-1]))
-        else:
-            lines = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
-            failures.append(f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
-        out.close()
-        err.close()
-    if failures:
-        raise RuntimeError(f"{len(failures)} of {len(procs)} DeepGEMM compile processes failed; first: {failures[0]}")
+def _collect(server: tuple, children: int) -> list:
+    """Wait for `server` (at most ``CHILD_TIMEOUT_S``) and read its processes' JSON lines; raises
+    one line naming the first failure (the server exits with the number that failed)."""
+    proc, out, err = server
+    try:
+        proc.wait(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+    out.seek(0)
+    err.seek(0)
+    outcomes = [json.loads(line) for line in out.read().decode(errors="replace").splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not outcomes:
+        lines = [line for line in err.read().decode(errors="replace").splitlines() if line.strip()]
+        failed = children - len(outcomes) if proc.returncode and proc.returncode > 0 else children
+        raise RuntimeError(f"{failed} of {children} DeepGEMM compile processes failed (exit {proc.returncode}); "
+                           f"first: {lines[-1] if lines else 'no output'}")
     return outcomes
 
 
@@ -252,23 +275,54 @@ def made_tensors(job: dict, device) -> dict:
             "ws": torch.zeros(job["ws_shape"], device=device, dtype=torch.float32)}
 
 
-def child() -> None:
-    """A compile process: import what the calls need, read the pickled payload from the file
-    stdin names (none: the parent needs no compile, exit), run every run of the work list it claims first,
-    print one JSON line. The weights and buffers are the engine's, mapped through CUDA IPC, or,
-    for jobs sent by shape, its own (:func:`made_tensors`)."""
+def forkserver() -> None:
+    """The compile processes' parent (:func:`start_forkserver`): import what the calls need, read
+    ``"<processes> <payload path>"`` from stdin (nothing: the engine needs no compile, exit), fork
+    that many processes that each do :func:`child`, wait for them; exit with the number that
+    failed (each prints its traceback to stderr)."""
     import torch
-    from vllm.utils import deep_gemm  # noqa: F401  (imported before the payload comes)
+    from vllm.utils import deep_gemm  # noqa: F401  (imported before the work comes)
 
-    path = sys.stdin.buffer.read().decode()
-    if not path:
+    request = sys.stdin.buffer.read().decode().split(maxsplit=1)
+    if not request:
         return
+    children, path = int(request[0]), request[1]
+    if torch.cuda.is_initialized():  # what it forked could not use CUDA
+        raise RuntimeError("CUDA was initialized by the imports of the compile processes' parent; cannot fork")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for _ in range(children):
+        pid = os.fork()
+        if pid == 0:  # a compile process
+            code = 1
+            try:
+                child(path)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = sum(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in pids)
+    sys.exit(min(failed, 100))
+
+
+def child(path: str) -> None:
+    """A compile process: read the pickled payload at `path`, run every run of the work list it
+    claims first, print one JSON line. The weights and buffers are the engine's, mapped through
+    CUDA IPC, or, for jobs sent by shape, its own (:func:`made_tensors`)."""
+    import torch
+
     with open(path, "rb") as f:
         payload = pickle.load(f)  # maps the IPC handles (if any) on their device
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     ready = time.time() - payload["sent"]
     calls = runs = 0
+    compiled = []  # seconds of each call that compiled
     run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
     made = {}  # a job sent by shape: the tensors of the one run last (one weight at a time)
     t0 = time.perf_counter()
@@ -281,11 +335,12 @@ def child() -> None:
                 made[j] = made_tensors(job, torch.device("cuda", payload["device"]))
             job = made[j]
             buffers = _buffers([dict(job, counts=counts)], job["w"].device)
-        calls += run_counts([job], [counts], buffers)
+        calls += run_counts([job], [counts], buffers, compiled)
         runs += 1
         if time.perf_counter() - started >= 1.0:
             run_s.append([i, round(time.perf_counter() - started, 2)])
     torch.cuda.synchronize()
     print(json.dumps({"calls": calls, "runs": runs, "seconds": round(time.perf_counter() - t0, 3),
+                      "compiles": len(compiled), "compile_s": round(sum(compiled), 2),
                       "run_s": run_s, "ready": round(ready, 2), "done": round(time.time() - payload["sent"], 2)}),
           flush=True)
