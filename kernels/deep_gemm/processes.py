@@ -186,7 +186,9 @@ def start_forkserver() -> tuple:
     vLLM's weight loading before their first call (DeepSeek-V3.2 FP8 dimensions, vLLM 0.29.0,
     BENCHMARKS.md); forked from one that imported once, they start with the imports done. The
     parent never touches CUDA (it would make CUDA unusable in what it forks)."""
-    env = dict(os.environ, KWARM_ENABLE="0")  # not an engine (DG_JIT_CACHE_DIR as vLLM set it)
+    # not an engine (DG_JIT_CACHE_DIR as vLLM set it); torch asks NVML, not the CUDA driver,
+    # whether CUDA is there (a driver initialized before fork is unusable in what it forks)
+    env = dict(os.environ, KWARM_ENABLE="0", PYTORCH_NVML_BASED_CUDA_CHECK="1")
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm.processes import forkserver; "
                              "forkserver()"], stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
