@@ -1,5 +1,5 @@
 """Warmup family ``caching_allocator``: leave torch's CUDA caching allocator whole free
-small-pool blocks for the first request, after vLLM's CUDA-graph capture.
+blocks for the first request, on each stream it allocates on, after vLLM's CUDA-graph capture.
 
 Why:
     ``capture_model`` ends with ``torch.accelerator.empty_cache()`` (V1 and V2 runners,
@@ -15,15 +15,24 @@ Why:
     tensors), the tiny DeepSeek-V3.2's 43 ``empty_strided_cuda`` 0.6 ms more. Counting free
     bytes, as a first version of this family did, misses it.
 
+    The V2 runner (0.29-0.33) allocates on two streams: the model's (the current one) and
+    ``output_copy_stream`` (its asynchronous copies of sampled tokens and logprobs), and the
+    caching allocator keeps each stream's blocks apart. At published dimensions (vLLM 0.29.0
+    and 0.33.0, the engine benchmark's ``new_segments``), request 0 started a 2 MiB small-pool
+    and a 20 MiB large-pool segment on the copy stream, and one or two 20 MiB large-pool
+    segments on the model's stream (allocations of 1-10 MiB share 20 MiB segments), though
+    this family had left 45 MiB free in the model stream's small pool.
+
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture
-    dummy run and sampler warmup done; ``kwarm_ext.patches`` wraps it), allocate
-    ``RESERVE_BLOCKS`` blocks of 1 MiB (the largest small-pool size) on the current stream,
-    all alive at once, then free them. Blocks that fit in the existing free pieces take no
-    new memory; the others start segments now, at startup. Either way the small pool then
-    holds at least that much free in pieces of 1 MiB or more, which any smaller
-    allocations of a request can use. At most 32 MiB of device memory (vLLM's memory profile
-    leaves 150 MiB of headroom); skipped when less than 1 GiB is free.
+    dummy run and sampler warmup done; ``kwarm_ext.patches`` wraps it), on each stream of
+    :data:`STREAMS` the runner has, allocate blocks of 1 MiB (the largest small-pool size)
+    and of 9 MiB (two to a 20 MiB large-pool segment), all alive at once, then free them.
+    Blocks that fit in the existing free pieces take no new memory; the others start segments
+    now, at startup. Either way each pool then holds at least that much free in whole pieces,
+    which a request's smaller allocations on that stream can use. At most 96 MiB of device
+    memory (vLLM's memory profile leaves 150 MiB of headroom); skipped when less than 1 GiB is
+    free.
 
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture.
 
@@ -32,12 +41,17 @@ Remove when:
 """
 from __future__ import annotations
 
+import contextlib
+
 from kwarm_ext.families import Plan, Step
 
 NAME = "caching_allocator"
-KERNEL = "CUDA caching allocator (small pool)"
+KERNEL = "CUDA caching allocator (small and large pools)"
 BLOCK = 1 << 20  # the largest small-pool allocation (torch's kSmallSize): two per 2 MiB segment
+LARGE_BLOCK = 9 << 20  # under torch's kMinLargeAlloc (10 MiB): two per 20 MiB large-pool segment
 RESERVE_BLOCKS = 32
+# (label, the runner's attribute holding the stream (None: the current one), 1 MiB blocks, 9 MiB blocks)
+STREAMS = (("model stream", None, RESERVE_BLOCKS, 4), ("output-copy stream", "output_copy_stream", 4, 2))
 MIN_DEVICE_FREE = 1 << 30
 
 
@@ -53,15 +67,15 @@ def plan(view, forced) -> Plan:
     """The steps, planned once CUDA-graph capture is done (the family runs after it); the
     details: the summary line's text, what the reserve found and added."""
     details: dict = {}
-    return Plan([Step("small pool", KERNEL, run=lambda: _reserve(view.device, details))], lambda: dict(details))
+    return Plan([Step("small and large pools", KERNEL, run=lambda: _reserve(view, details))], lambda: dict(details))
 
 
-def reserve(device: str, blocks: int) -> None:
-    """Allocate `blocks` 1 MiB blocks on `device`, all alive at once, and free them: the
-    allocator keeps what it had to add."""
+def reserve(device: str, blocks: int, size: int = BLOCK) -> None:
+    """Allocate `blocks` blocks of `size` bytes on `device` (on the current stream), all alive
+    at once, and free them: the allocator keeps what it had to add."""
     import torch
 
-    held = [torch.empty(BLOCK, dtype=torch.uint8, device=device) for _ in range(blocks)]
+    held = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(blocks)]
     del held
 
 
@@ -71,17 +85,44 @@ def small_pool(stats: dict) -> tuple:
     return stats.get("segment.small_pool.current", 0), max(0, free) / (1 << 20)
 
 
-def _reserve(device: str, details: dict) -> list:
+def streams(runner) -> list:
+    """``[(label, stream or None, 1 MiB blocks, 9 MiB blocks)]`` of :data:`STREAMS` the runner has."""
+    out = []
+    for label, attr, small, large in STREAMS:
+        stream = None if attr is None else getattr(runner, attr, None)
+        if attr is None or stream is not None:
+            out.append((label, stream, small, large))
+    return out
+
+
+def on_stream(stream):
+    """The context in which allocations go to `stream` (None: the current stream)."""
     import torch
 
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _reserve(view, details: dict) -> list:
+    import torch
+
+    device = view.device
     free_device = torch.cuda.mem_get_info(device)[0]
     if free_device < MIN_DEVICE_FREE:
         text = f"nothing reserved: {free_device >> 20} MiB free on the device"
     else:
-        before = small_pool(torch.cuda.memory_stats(device))
-        reserve(device, RESERVE_BLOCKS)
-        after = small_pool(torch.cuda.memory_stats(device))
-        text = (f"{RESERVE_BLOCKS} x 1 MiB small-pool blocks: {after[0] - before[0]} new segments, "
-                f"{before[1]:.0f} -> {after[1]:.0f} MiB cached free")
+        parts = []
+        first = small_pool(torch.cuda.memory_stats(device))
+        for label, stream, small, large in streams(view.runner):
+            before = torch.cuda.memory_stats(device)
+            with on_stream(stream):
+                reserve(device, small)
+                reserve(device, large, LARGE_BLOCK)
+            after = torch.cuda.memory_stats(device)
+            new = {pool: after.get(f"segment.{pool}_pool.current", 0) - before.get(f"segment.{pool}_pool.current", 0)
+                   for pool in ("small", "large")}
+            parts.append(f"{label} {small} x 1 MiB + {large} x 9 MiB: {new['small']} small, "
+                         f"{new['large']} large segments new")
+        last = small_pool(torch.cuda.memory_stats(device))
+        text = f"{'; '.join(parts)}; small pool {first[1]:.0f} -> {last[1]:.0f} MiB cached free"
     details["summary"] = text
     return [text]

@@ -103,10 +103,12 @@ FAMILIES = {
                "(0.30+: the gated RMSNorm too), and kwarm skips those keys; kwarm adds the other integer "
                "classes, the mixed-batch variants, other layer shapes and the eager decode kernels"),
         Family("dsa_indexer", "kwarm_ext.kernels.dsa_indexer",
-               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits",
+               "GLM-5 / DeepSeek-V3.2 DSA indexer: prefill chunk metadata, sparse-MLA index conversion, DeepGEMM MQA logits, "
+               "and the DSA attention's query kernel (fused_q, 0.33+) in both query layouts",
                "0.25-0.29 sparse_mla_triton_warmup and the 0.30+ JIT warmup registry warm chunk-metadata "
                "keys (0.33: all 9 classes), and kwarm skips those; kwarm adds the other keys, the index "
-               "conversion where upstream skips it and the indexer's DeepGEMM kernels (no release warms them)"),
+               "conversion where upstream skips it, the indexer's DeepGEMM kernels (no release warms them) "
+               "and fused_q's MHA layout (capture reaches the MQA one only)"),
         Family("triton_attn", "kwarm_ext.kernels.triton_attn",
                "TRITON_ATTN attention: kernel_unified_attention (2D and 3D) and reduce_segments at "
                "every batch class vLLM's selection code reaches, through its metadata builder and "

@@ -8,6 +8,7 @@ What the step saves on the GPU is measured by the engine benchmark (``alloc`` pe
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import types
 
@@ -44,11 +45,13 @@ def test_reserve_holds_all_blocks_at_once_then_frees_them():
     torch.empty = empty
     try:
         ca.reserve("cpu", 3)
+        ca.reserve("cpu", 2, ca.LARGE_BLOCK)
     finally:
         torch.empty = real_empty
-    assert held == [MIB] * 3
-    assert most_alive == [1, 2, 3], "each block allocated while the others are held"
+    assert held == [MIB] * 3 + [9 * MIB] * 2
+    assert most_alive == [1, 2, 3, 1, 2], "each block allocated while the others are held"
     assert len(alive) == 0, "all freed on return"
+    assert 2 * ca.LARGE_BLOCK <= 20 * MIB and ca.LARGE_BLOCK < 10 * MIB, "two to a 20 MiB large-pool segment"
 
 
 @pytest.fixture
@@ -58,22 +61,35 @@ def gpu_allocator(monkeypatch):
     adds n // 2 new segments (two 1 MiB blocks each)."""
     import torch
 
-    state = types.SimpleNamespace(segments=8, free=11 * MIB, reserved=[], device_free=80 << 30)
+    state = types.SimpleNamespace(segments=8, large=3, free=11 * MIB, reserved=[], device_free=80 << 30,
+                                  stream=None)
 
     def memory_stats(device):
         assert device == "cuda:0"
-        return {"segment.small_pool.current": state.segments,
+        return {"segment.small_pool.current": state.segments, "segment.large_pool.current": state.large,
                 "reserved_bytes.small_pool.current": state.free + 6 * MIB,
                 "allocated_bytes.small_pool.current": 6 * MIB}
 
-    def reserve(device, blocks):
-        state.reserved.append((device, blocks))
-        state.segments += blocks // 2
-        state.free += blocks // 2 * 2 * MIB
+    def reserve(device, blocks, size=MIB):
+        state.reserved.append((device, state.stream, blocks, size // MIB))
+        if size == MIB:
+            state.segments += blocks // 2
+            state.free += blocks // 2 * 2 * MIB
+        else:
+            state.large += blocks // 2
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        state.stream = stream
+        try:
+            yield
+        finally:
+            state.stream = None
 
     monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state.device_free, 141 << 30))
     monkeypatch.setattr(ca, "reserve", reserve)
+    monkeypatch.setattr(ca, "on_stream", on_stream)
     return state
 
 
@@ -86,10 +102,10 @@ def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
     assert gpu_allocator.reserved == []
 
     part = warmup.after_capture(worker)  # what patches' compile_or_warm_up_model wrapper calls
-    assert gpu_allocator.reserved == [("cuda:0", ca.RESERVE_BLOCKS)]
+    assert gpu_allocator.reserved == [("cuda:0", None, ca.RESERVE_BLOCKS, 1), ("cuda:0", None, 4, 9)]
     family = part["families"][0]
     assert family["name"] == "caching_allocator" and family["status"] == "ran", family
-    text = "32 x 1 MiB small-pool blocks: 16 new segments, 11 -> 43 MiB cached free"
+    text = "model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; small pool 11 -> 43 MiB cached free"
     assert family["steps"][0]["variants"] == [text] and family["details"] == {"summary": text}
     written = json.loads(report_path.read_text())
     assert written["after_capture"]["families"][0]["steps"][0]["status"] == "ran"
@@ -121,3 +137,18 @@ def test_not_on_cuda_is_a_skip_and_disabled_is_disabled(gpu_allocator, kwarm_env
     warmup.run(worker)
     assert warmup.after_capture(worker)["families"][0]["reason"] == "disabled by KWARM_WARMUPS"
     assert gpu_allocator.reserved == []
+
+
+def test_the_v2_runners_output_copy_stream_gets_its_own_reserve(gpu_allocator, kwarm_env):
+    # the V2 runner (0.29-0.33) copies sampled tokens out on its own stream, whose blocks the
+    # allocator keeps apart: request 0 started segments there (BENCHMARKS.md, new_segments)
+    kwarm_env(KWARM_WARMUPS="caching_allocator")
+    copies = object()  # a torch.cuda.Stream there
+    worker = stand_in_worker(device="cuda:0", output_copy_stream=copies)
+    warmup.run(worker)
+    step = warmup.after_capture(worker)["families"][0]["steps"][0]
+    assert gpu_allocator.reserved == [("cuda:0", None, 32, 1), ("cuda:0", None, 4, 9),
+                                      ("cuda:0", copies, 4, 1), ("cuda:0", copies, 2, 9)]
+    assert step["variants"] == ["model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; "
+                                "output-copy stream 4 x 1 MiB + 2 x 9 MiB: 2 small, 1 large segments new; "
+                                "small pool 11 -> 47 MiB cached free"]

@@ -35,6 +35,12 @@ Why:
       graphs, MTP steps shorter than ``1 + num_speculative_tokens`` (short prefills count as
       decodes), and decode batches beyond the captured sizes compile at runtime.
 
+    And, on 0.33+, the DSA attention's query kernel ``_fused_q_kernel`` (``fused_q``, every
+    forward of every DSA layer): capture and the V2 warmup steps reach its MQA layout only, so
+    the first prefill on the sparse-MHA path compiled the MHA one (DeepSeek-V3.2 at published
+    dimensions, vLLM 0.33.0: 0.29 s in a 4 x 333-token request, 0.05 s its repeat). Both layouts
+    of each distinct layer, through vLLM's ``fused_q`` (``fused_q.py``).
+
 How:
     Through vLLM's own entry functions, called the way the production callers call them
     (``DeepseekV32IndexerMetadataBuilder.build`` -> ``split_indexer_prefill_chunks`` ->
@@ -110,25 +116,27 @@ Remove when:
     registry does) and the FP8-KV prefill-workspace variant of the convert kernel (0.33 does
     not: it registers the convert kernel only for flat KV caches); and warms the indexer's
     ``fp8_fp4_mqa_logits``, its paged logits for every native ``next_n`` and the metadata
-    kernel for every batch class (none does yet).
+    kernel for every batch class (none does yet); and warms ``fused_q``'s MHA query layout
+    (0.33 does not).
 """
 from __future__ import annotations
 
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.dsa_indexer.chunk_metadata import CHUNK_CASES, _chunk_steps, chunk_args, run_chunk_case
 from kwarm_ext.kernels.dsa_indexer.common import (
-    CHUNK_KERNEL, CONVERT_KERNEL, INDEXER_BACKEND, MQA_LOGITS, PAGED_METADATA, PAGED_MQA_LOGITS,
+    CHUNK_KERNEL, CONVERT_KERNEL, FUSED_Q_KERNEL, INDEXER_BACKEND, MQA_LOGITS, PAGED_METADATA, PAGED_MQA_LOGITS,
     SPARSE_MLA_BACKEND, TRITON_KERNELS)
+from kwarm_ext.kernels.dsa_indexer.fused_q import _fused_q_steps, layer_variants, run_variant
 from kwarm_ext.kernels.dsa_indexer.index_conversion import (
     _convert_steps, convert_args, convert_variants, run_convert_variant)
 from kwarm_ext.kernels.dsa_indexer.mqa_logits import _deep_gemm_steps, deep_gemm_entries
 
 # The family's parts (one module each, beside the constants and helpers they share in common):
-# chunk_metadata, index_conversion and mqa_logits. What the tests and `kwarm doctor` read:
+# chunk_metadata, index_conversion, mqa_logits and fused_q. What the tests and `kwarm doctor` read:
 __all__ = ["applies", "plan", "TRITON_KERNELS", "CHUNK_KERNEL", "CONVERT_KERNEL", "MQA_LOGITS",
            "PAGED_MQA_LOGITS", "PAGED_METADATA", "INDEXER_BACKEND", "SPARSE_MLA_BACKEND", "CHUNK_CASES",
            "chunk_args", "run_chunk_case", "convert_args", "convert_variants", "run_convert_variant",
-           "deep_gemm_entries"]
+           "deep_gemm_entries", "FUSED_Q_KERNEL", "layer_variants", "run_variant"]
 
 
 def applies(view) -> str | None:
@@ -140,7 +148,8 @@ def applies(view) -> str | None:
 def plan(view, forced: bool) -> list:
     return [*_planned(_chunk_steps, "prefill_chunk_metadata", CHUNK_KERNEL, view, forced),
             *_planned(_convert_steps, "convert_req_index", CONVERT_KERNEL, view, forced),
-            *_planned(_deep_gemm_steps, "mqa_logits", MQA_LOGITS, view, forced)]
+            *_planned(_deep_gemm_steps, "mqa_logits", MQA_LOGITS, view, forced),
+            *_planned(_fused_q_steps, "fused_q", FUSED_Q_KERNEL, view, forced)]
 
 
 def _planned(steps_of, name: str, kernel: str, view, forced: bool) -> list:
