@@ -9,7 +9,9 @@ Doors (each ends here, each a no-op unless ``KWARM_ENABLE`` is truthy):
 3. The ``vllm.general_plugins`` entry point ``kwarm``, which vLLM calls in the engine
    and in every worker before it imports the worker class.
 
-Activation registers import hooks only: it never imports vLLM, torch or Triton.
+Activation registers import hooks (and, where the front end marked a block-FP8 DeepGEMM model,
+starts deep_gemm's compile processes' parent, a process of its own): it never imports vLLM,
+torch or Triton.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def activate(source: str = "api") -> bool:
 
             patches.install()
             _active = True
+            _start_compile_parent(settings)
             logger.debug("kwarm activated from %s (KWARM_WARMUPS=%s)", source, settings.warmups.describe())
             return True
     except Exception as exc:
@@ -46,6 +49,19 @@ def activate(source: str = "api") -> bool:
         if _strict():
             raise
         return False
+
+
+def _start_compile_parent(settings) -> None:
+    """Where the front end marked a block-FP8 DeepGEMM model (``KWARM_DEEP_GEMM_EARLY``), start
+    deep_gemm's compile processes' parent now, beside this process's own imports (it imports
+    torch and vLLM in a process of its own; this one imports neither)."""
+    from kwarm_ext.log import fail_open
+
+    with fail_open("deep_gemm: could not start the compile processes' parent early; it starts at weight loading"):
+        from kwarm_ext.kernels.deep_gemm import processes
+
+        if os.environ.get(processes.EARLY_ENV) and settings.warmups.wants("deep_gemm"):
+            processes.start_early()
 
 
 def is_active() -> bool:

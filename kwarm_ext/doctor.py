@@ -47,8 +47,9 @@ def doors(enabled: bool) -> dict:
 
 
 def hook_target() -> dict:
-    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_LOAD, BEFORE_PROFILE, MODEL_BUILT, TARGET_ATTRIBUTE,
-                                   TARGET_MODULE, after_capture_class, is_after_capture_patched, is_patched)
+    from kwarm_ext.patches import (AFTER_CAPTURE_TARGET, BEFORE_LOAD, BEFORE_PROFILE, ENGINE_CONFIG, MODEL_BUILT,
+                                   TARGET_ATTRIBUTE, TARGET_MODULE, after_capture_class, is_after_capture_patched,
+                                   is_patched)
 
     out = {"module": TARGET_MODULE, "attribute": TARGET_ATTRIBUTE, "found": False, "patched": False,
            "after_capture": {"attribute": AFTER_CAPTURE_TARGET, "found": False, "patched": False},
@@ -56,7 +57,8 @@ def hook_target() -> dict:
                               "patched": False},
            "before_load": {"attribute": f"{BEFORE_LOAD.owner}.{BEFORE_LOAD.attribute}", "found": False,
                            "patched": False},
-           "model_built": {"attribute": MODEL_BUILT.target, "found": False, "patched": False}}
+           "model_built": {"attribute": MODEL_BUILT.target, "found": False, "patched": False},
+           "engine_config": {"attribute": ENGINE_CONFIG.target, "found": False, "patched": False}}
     t0 = time.perf_counter()
     try:
         import importlib
@@ -71,6 +73,8 @@ def hook_target() -> dict:
         out["before_load"].update(found=BEFORE_LOAD.holder(module) is not None, patched=BEFORE_LOAD.applied(module))
         loader = importlib.import_module(MODEL_BUILT.module)
         out["model_built"].update(found=MODEL_BUILT.current(loader) is not None, patched=MODEL_BUILT.applied(loader))
+        args = importlib.import_module(ENGINE_CONFIG.module)
+        out["engine_config"].update(found=ENGINE_CONFIG.holder(args) is not None, patched=ENGINE_CONFIG.applied(args))
         from kwarm_ext import vllm_compat
         from kwarm_ext.patches import SERVING_THREADS
 

@@ -11,7 +11,8 @@ vLLM's profile run, documented at :func:`_wrap_determine_available_memory`),
 before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
-:func:`_wrap_input_processor_init`).
+:func:`_wrap_input_processor_init`) and ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
+(deep_gemm's early start, documented at :func:`_wrap_create_engine_config`).
 
 Why: vLLM compiles Triton kernels lazily, on the first request that hits each
 specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
@@ -51,6 +52,7 @@ TARGET_ATTRIBUTE = "kernel_warmup"
 AFTER_CAPTURE_TARGET = "Worker.compile_or_warm_up_model"
 FRONTEND_MODULE = "vllm.v1.engine.input_processor"
 LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+ENGINE_ARGS_MODULE = "vllm.engine.arg_utils"
 # vLLM 0.28+: lowers torch's thread count for serving (see _wrap_compile_or_warm_up_model)
 SERVING_THREADS = "vllm.utils.torch_utils:set_torch_threads_for_runtime"
 
@@ -260,6 +262,37 @@ def serving_threads_first() -> bool:
     return after != before
 
 
+def _wrap_create_engine_config(wrapped, instance, args, kwargs):
+    """Tell ``deep_gemm`` the engine's arguments, run vLLM's ``EngineArgs.create_engine_config``,
+    then tell it the config.
+
+    Why: ``deep_gemm``'s compile processes are forked by one parent that imports torch and
+    vLLM first: 15.6 s beside an 11 s weight load (DeepSeek-V3.2 FP8 dimensions, vLLM 0.29.0,
+    BENCHMARKS.md), so started at the load their compiles began after it. The front end knows
+    the model is block-FP8 long before a worker builds it (the checkpoint's config.json as the
+    call starts; making the config itself took 27 s there): marked in the environment the
+    engine's processes inherit, those start the parent as kwarm activates there, beside their
+    own imports, and an engine in this process has it started here. vLLM versions: 0.20-0.33
+    (``vllm/engine/arg_utils.py``). It can go with ``deep_gemm``.
+    """
+    with fail_open("deep_gemm: reading the checkpoint's config failed, its compile processes start later"):
+        from kwarm_ext import config as kwarm_config
+
+        if kwarm_config.get().warmups.wants("deep_gemm"):
+            from kwarm_ext.kernels import deep_gemm
+
+            deep_gemm.before_engine_config(instance)
+    config = wrapped(*args, **kwargs)
+    with fail_open("deep_gemm: reading the engine config failed, its compile processes start at weight loading"):
+        from kwarm_ext import config as kwarm_config
+
+        if kwarm_config.get().warmups.wants("deep_gemm"):
+            from kwarm_ext.kernels import deep_gemm
+
+            deep_gemm.engine_config_made(config)
+    return config
+
+
 def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     """Build vLLM's ``InputProcessor``, then run kwarm's front-end warmup on it.
 
@@ -291,4 +324,8 @@ AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_o
                       "torch.compiles is compiled again on the first request", owner="Worker")
 INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
                         "the front-end warmup will not run", owner="InputProcessor")
-PATCHES = (SERIALIZER, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE, INPUT_PROCESSOR)
+ENGINE_CONFIG = Patch(ENGINE_ARGS_MODULE, "create_engine_config", _wrap_create_engine_config, "0.20-0.33",
+                      "DeepGEMM's compile processes start at weight loading, not with the engine's processes",
+                      owner="EngineArgs")
+PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE,
+           INPUT_PROCESSOR)

@@ -33,6 +33,8 @@ def test_doctor_reports_installed_doors_and_hook_target():
     assert r["hook_target"]["before_load"] == {"attribute": "Worker.load_model", "found": True, "patched": True}
     assert r["hook_target"]["model_built"] == {
         "attribute": "vllm.model_executor.model_loader.base_loader.initialize_model", "found": True, "patched": True}
+    assert r["hook_target"]["engine_config"] == {
+        "attribute": "vllm.engine.arg_utils.EngineArgs.create_engine_config", "found": True, "patched": True}
     assert not any(u["present"] for u in r["upstream_warmups"].values())  # 0.24 has none of them
     assert r["families"]["qwen_gdn"]["forced"] and not r["families"]["runner"]["selected"]
     assert r["config"]["KWARM_WARMUPS"] == "qwen_gdn,-runner"
@@ -59,7 +61,7 @@ def test_doctor_finds_upstream_warmups_per_release(release, present):
     assert r["versions"]["vllm"] is not None
     assert r["hook_target"]["found"] is True and r["hook_target"]["after_capture"]["found"] is True
     assert r["hook_target"]["before_profile"]["found"] is True and r["hook_target"]["before_load"]["found"] is True
-    assert r["hook_target"]["model_built"]["found"] is True
+    assert r["hook_target"]["model_built"]["found"] is True and r["hook_target"]["engine_config"]["found"] is True
     assert {n for n, u in r["upstream_warmups"].items() if u["present"]} == present
     # vLLM 0.28+ lowers torch's thread count for serving (kwarm applies it before the warmups)
     assert r["hook_target"]["after_capture"]["serving_threads"] is (release >= "0.28.0")

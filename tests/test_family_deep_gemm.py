@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 import json
+import os
 import logging
 import subprocess
 import sys
@@ -530,3 +531,107 @@ def test_the_summary_counts_compiles_apart_from_kernels_so_duplicates_show():
     outcomes = [{"seconds": 4.0, "compiles": 1, "compile_s": 3.5}, {"seconds": 5.0, "compiles": 1, "compile_s": 4.5}]
     assert dg._throughput(1, 5.0, outcomes) == ("0.20 kernels/s; processes busy 9 s in all, 9.0 s a kernel, "
                                                 "the slowest 5 s; 2 compiles for 1 kernels, 4.0 s each")
+
+
+def _fp8_config():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(quant_config=SimpleNamespace(weight_block_size=[128, 128]))
+
+
+@pytest.mark.parametrize("multiprocessing", ["0", "1"])
+def test_the_front_end_marks_a_block_fp8_model_and_an_engine_in_its_process_starts_the_parent(
+        monkeypatch, kwarm_log, multiprocessing):
+    # vLLM's real config gate (envs) with DeepGEMM's support stood in (NVML's capability: no GPU
+    # here); the engine runs in this process (0) or in processes that inherit the mark (1)
+    from types import SimpleNamespace
+
+    from vllm.utils import deep_gemm
+
+    monkeypatch.setattr(deep_gemm, "is_deep_gemm_supported", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    monkeypatch.delenv(dg.EARLY_ENV, raising=False)
+    dg.engine_config_made(SimpleNamespace(quant_config=None))
+    assert dg.EARLY_ENV not in os.environ and dg.processes._early_server is None, "bf16: nothing"
+    dg.engine_config_made(_fp8_config())
+    assert os.environ[dg.EARLY_ENV] == "1"
+    server = dg.take_early()
+    try:
+        assert (server is not None) is (multiprocessing == "0")
+        if server is not None:
+            assert server[0].poll() is None, "running, importing torch and vLLM"
+            server[0].stdin.close()  # taken, then no work: it exits quietly
+            assert server[0].wait(timeout=300) == 0
+            server[2].seek(0)
+            assert b"Traceback" not in server[2].read()
+    finally:
+        dg._stop([server] if server else [])
+    assert dg.take_early() is None
+
+
+def test_activation_starts_the_parent_where_the_front_end_marked_the_model():
+    # a fresh engine process that inherited the mark: kwarm's activation starts the parent, and
+    # imports neither torch nor vLLM itself
+    from conftest import clean_env, run_py
+
+    proc = run_py("""
+import json, sys
+import kwarm_ext
+assert kwarm_ext.activate("api")
+from kwarm_ext.kernels.deep_gemm import processes
+server = processes.take_early()
+print(json.dumps([server is not None and server[0].poll() is None, "torch" in sys.modules, "vllm" in sys.modules]))
+processes._stop([server])
+""", env=clean_env(KWARM_ENABLE="1", KWARM_DEEP_GEMM_EARLY="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, False, False]
+
+
+def test_a_parent_started_early_that_no_worker_takes_exits(monkeypatch):
+    monkeypatch.setattr(dg.processes, "IDLE_S", 1.0)
+    dg.start_early()
+    server = dg.processes._early_server
+    try:
+        assert server[0].wait(timeout=300) == 0, "no worker took it: it exits after its idle time"
+        server[2].seek(0)
+        assert b"Traceback" not in server[2].read()
+        assert dg.take_early() is None, "an exited parent is not handed out"
+    finally:
+        dg._stop([server])
+
+
+def test_the_checkpoints_own_config_says_block_fp8_before_vllm_makes_its_config(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from conftest import REPO
+
+    models = REPO / "bench" / "models"
+    args = lambda model, **kw: SimpleNamespace(model=str(model), quantization=None, revision=None, **kw)  # noqa: E731
+    assert dg.checkpoint_block_fp8(args(models / "deepseek-v32-2l-fp8")) is True
+    assert dg.checkpoint_block_fp8(args(models / "glm5-2l-fp8")) is True
+    assert dg.checkpoint_block_fp8(args(models / "deepseek-v32-2l")) is False, "bf16"
+    overridden = args(models / "deepseek-v32-2l-fp8")
+    overridden.quantization = "bitsandbytes"
+    assert dg.checkpoint_block_fp8(overridden) is False, "another --quantization decides"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: no file, no network
+    assert dg.checkpoint_block_fp8(args("deepseek-ai/DeepSeek-V3.2")) is False
+
+
+def test_a_parent_started_from_the_checkpoint_ends_when_the_config_says_otherwise(monkeypatch):
+    # the checkpoint said block-FP8, the config vLLM made does not (a quantization the peek
+    # missed): the parent ends and the mark goes, so no engine process starts one
+    from types import SimpleNamespace
+
+    from conftest import REPO
+    from vllm.utils import deep_gemm
+
+    monkeypatch.setattr(deep_gemm, "is_deep_gemm_supported", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.delenv(dg.EARLY_ENV, raising=False)
+    dg.before_engine_config(SimpleNamespace(model=str(REPO / "bench" / "models" / "deepseek-v32-2l-fp8"),
+                                            quantization=None, revision=None))
+    server = dg.processes._early_server
+    assert server is not None and server[0].poll() is None and os.environ[dg.EARLY_ENV] == "1"
+    dg.engine_config_made(SimpleNamespace(quant_config=None))
+    assert dg.EARLY_ENV not in os.environ and dg.processes._early_server is None
+    assert server[0].poll() is not None, "ended"

@@ -121,16 +121,18 @@ def test_hook_target_exists_and_wraps_in_each_release(release):
     os.environ["KWARM_ENABLE"] = "1"
     import kwarm_ext
     assert kwarm_ext.activate("api")
-    import vllm, vllm.v1.worker.gpu_worker as g
+    import vllm, vllm.v1.worker.gpu_worker as g, vllm.engine.arg_utils as a
     from kwarm_ext import patches
     print(json.dumps({"version": vllm.__version__, "patched": patches.is_patched(g),
                       "after_capture": patches.is_after_capture_patched(g),
-                      "before_profile": patches.is_before_profile_patched(g)}))
+                      "before_profile": patches.is_before_profile_patched(g),
+                      "engine_config": patches.ENGINE_CONFIG.applied(a)}))
     """
     proc = run_py(code, env=cpu_triton_env(), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"version": release, "patched": True,
-                                                                 "after_capture": True, "before_profile": True}
+                                                                 "after_capture": True, "before_profile": True,
+                                                                 "engine_config": True}
 
 
 def _worker_module(original):
@@ -253,7 +255,7 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
         "triton.runtime.jit.serialize_specialization_data", "vllm.v1.worker.gpu_worker.kernel_warmup",
         "vllm.v1.worker.gpu_worker.Worker.determine_available_memory", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
         "vllm.v1.worker.gpu_worker.Worker.load_model", "vllm.model_executor.model_loader.base_loader.initialize_model",
-        "vllm.v1.engine.input_processor.InputProcessor.__init__"}
+        "vllm.v1.engine.input_processor.InputProcessor.__init__", "vllm.engine.arg_utils.EngineArgs.create_engine_config"}
 
 
 SERVING_THREADS = """

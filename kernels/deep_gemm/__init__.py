@@ -48,6 +48,7 @@ vLLM compiles DeepGEMM's kernels in parallel (or ships them prebuilt).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -59,7 +60,8 @@ from kwarm_ext import triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
-    forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread, start_forkserver)
+    EARLY_ENV, forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread, start_early,
+    start_forkserver, take_early)
 
 logger = logging.getLogger("kwarm")
 
@@ -139,13 +141,16 @@ def before_load(worker) -> None:
     (:func:`start_forkserver`), so that its imports overlap the load; :func:`model_built` or
     :func:`compile_ahead` takes it, :func:`release` ends it if neither did. Elsewhere nothing
     starts (the ahead run probes and starts one as before)."""
+    started = take_early()  # the parent activation or the front end started, if any
     if early_start_gap(worker) is not None:
+        _stop([started] if started else [])
         return
     tp_size = getattr(worker.vllm_config.parallel_config, "tensor_parallel_size", 1)
     n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
-    _early[id(worker)] = (start_forkserver(), n)
-    logger.info("kwarm: deep_gemm: the parent of %d compile processes started beside weight loading (DeepGEMM's "
-                "cache %s holds no GEMM kernel)", n, _cache_dir())
+    _early[id(worker)] = (started or start_forkserver(), n)
+    logger.info("kwarm: deep_gemm: the parent of %d compile processes %s (DeepGEMM's cache %s holds no GEMM "
+                "kernel)", n, "started as this engine process started" if started else "started beside weight loading",
+                _cache_dir())
 
 
 def early_start_gap(worker) -> str | None:
@@ -153,16 +158,91 @@ def early_start_gap(worker) -> str | None:
     config only: the model is not built yet."""
     if getattr(getattr(worker, "device", None), "type", None) != "cuda":
         return "not a CUDA worker"
-    if not getattr(getattr(worker.vllm_config, "quant_config", None), "weight_block_size", None):
+    gap = config_gap(worker.vllm_config)
+    if gap is not None:
+        return gap
+    if cached_kernels(_cache_dir(), "gemm"):
+        return "DeepGEMM's cache holds GEMM kernels: the ahead run probes it first"
+    return None
+
+
+def config_gap(vllm_config) -> str | None:
+    """Why a model of `vllm_config` compiles no DeepGEMM GEMM at start (None: it does): not
+    block-FP8, or DeepGEMM not in use (NVML's device capability: no CUDA is initialized)."""
+    if not getattr(getattr(vllm_config, "quant_config", None), "weight_block_size", None):
         return "not a block-FP8 model"
+    return _deep_gemm_gap()
+
+
+def _deep_gemm_gap() -> str | None:
     import vllm.envs as envs
     from vllm.utils import deep_gemm
 
     if envs.VLLM_DEEP_GEMM_WARMUP == "skip" or not deep_gemm.is_deep_gemm_supported():
         return "DeepGEMM not in use or its warmup skipped"
-    if cached_kernels(_cache_dir(), "gemm"):
-        return "DeepGEMM's cache holds GEMM kernels: the ahead run probes it first"
     return None
+
+
+def before_engine_config(engine_args) -> None:
+    """As the front end starts making the engine's config (``EngineArgs.create_engine_config``,
+    which resolves the model for seconds to tens of seconds): where the checkpoint's own
+    ``config.json`` says block-FP8 (:func:`checkpoint_block_fp8`) and DeepGEMM is in use, start
+    the compile processes' parent now (:func:`_start_for_engine`); :func:`engine_config_made`
+    confirms it from the config, or ends it."""
+    if checkpoint_block_fp8(engine_args) and _deep_gemm_gap() is None:
+        _start_for_engine()
+
+
+def engine_config_made(vllm_config) -> None:
+    """As the front end has made the engine's config: for a block-FP8 model on DeepGEMM, the
+    parent as :func:`_start_for_engine` starts it (once); for any other model, end what
+    :func:`before_engine_config` started and take the mark back. The worker's :func:`before_load`
+    takes the parent, or ends it where DeepGEMM's cache turns out warm."""
+    if config_gap(vllm_config) is None:
+        _start_for_engine()
+    elif os.environ.pop(EARLY_ENV, None) is not None:
+        started = take_early()
+        _stop([started] if started else [])
+
+
+def _start_for_engine() -> None:
+    """Mark :data:`EARLY_ENV` in the environment the engine's processes inherit (kwarm's
+    activation there starts the parent at once), and start the parent in this process when the
+    engine runs here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import vllm.envs as envs
+
+    here = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+    if os.environ.get(EARLY_ENV) != "1":
+        logger.info("kwarm: deep_gemm: block-FP8 model on DeepGEMM: the compile processes' parent starts %s",
+                    "now, in this process" if here else "with the engine's processes")
+    os.environ[EARLY_ENV] = "1"
+    if here:
+        start_early()
+
+
+def checkpoint_block_fp8(engine_args) -> bool:
+    """Whether the checkpoint's own ``config.json`` (a local folder, or Hugging Face's cache: never
+    the network) has a ``quantization_config`` with ``weight_block_size``, and no
+    ``--quantization`` other than ``fp8`` overrides it."""
+    if getattr(engine_args, "quantization", None) not in (None, "fp8"):
+        return False
+    model = getattr(engine_args, "model", None)
+    if not isinstance(model, str):
+        return False
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model, "config.json", revision=getattr(engine_args, "revision", None))
+        except Exception:  # not a repository id, or no hub client: the config decides later
+            return False
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        hf = json.load(f)
+    quant = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
+    return bool(quant.get("weight_block_size"))
 
 
 def release(worker) -> None:
@@ -390,6 +470,9 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> li
     cold = bool(early) or sent is not None or cached_kernels(cache, "gemm") == 0
     if early:
         children = min(children, early[1])
+    if early and early[0][0].poll() is not None:  # it exited (its stderr is lost with it): a new one
+        _stop([early[0]])
+        early = (start_forkserver(), early[1])
     server = early[0] if early else (start_forkserver() if cold else None)  # imports while the probe runs
     try:
         if cold:

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
@@ -20,6 +21,12 @@ import time
 import traceback
 
 CHILD_TIMEOUT_S = 1800.0
+IDLE_S = 600.0  # a parent started early that nobody took in this long exits (its engine loaded no model here)
+_IDLE_ENV = "KWARM_DEEP_GEMM_IDLE_S"  # how the parent learns it was started early
+TAKEN = b"taken"  # the line take_early sends: a worker took this parent, its work comes
+# Set by the front end (``engine_config_made``) for a block-FP8 model that runs DeepGEMM: the
+# engine processes it starts inherit it, and kwarm's activation there starts the parent at once.
+EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
 COMPILE_S = 0.5  # a DeepGEMM call this long compiled its kernel (NVCC: seconds; a cached one loads in ms)
 RUN_COUNTS = 8  # a run of the work list holds at most this many of one weight's token counts (chunks)
 
@@ -176,7 +183,7 @@ def run_counts(jobs: list, counts_per_job: list, buffers: dict, compiled: list |
     return calls
 
 
-def start_forkserver() -> tuple:
+def start_forkserver(idle_s: float | None = None) -> tuple:
     """The compile processes' parent, started: one process that imports torch and vLLM's DeepGEMM
     wrapper, then waits for its work on stdin and forks the compile processes that do it
     (:func:`forkserver`). Returns ``(Popen, stdout file, stderr file)``: stdout and stderr go to
@@ -185,15 +192,50 @@ def start_forkserver() -> tuple:
     Why one parent that forks: fifteen processes each importing torch and vLLM took 17-18 s beside
     vLLM's weight loading before their first call (DeepSeek-V3.2 FP8 dimensions, vLLM 0.29.0,
     BENCHMARKS.md); forked from one that imported once, they start with the imports done. The
-    parent never touches CUDA (it would make CUDA unusable in what it forks)."""
+    parent never touches CUDA (it would make CUDA unusable in what it forks). With `idle_s`, it
+    exits if no worker takes it (:func:`take_early`) in that long."""
     # not an engine (DG_JIT_CACHE_DIR as vLLM set it); torch asks NVML, not the CUDA driver,
     # whether CUDA is there (a driver initialized before fork is unusable in what it forks)
     env = dict(os.environ, KWARM_ENABLE="0", PYTORCH_NVML_BASED_CUDA_CHECK="1")
+    env.pop(_IDLE_ENV, None)
+    if idle_s:
+        env[_IDLE_ENV] = str(idle_s)
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-c", "from kwarm_ext.kernels.deep_gemm.processes import forkserver; "
                              "forkserver()"], stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
                             start_new_session=True)  # its own process group: _stop ends what it forked
     return proc, out, err
+
+
+_early_server = None  # the parent start_early started, until take_early takes it
+
+
+def start_early() -> None:
+    """Start the compile processes' parent now, before this process builds a model (kwarm's
+    activation, where :data:`EARLY_ENV` is set; the front end, for an engine in its own
+    process), so that its imports overlap vLLM's own start; :func:`take_early` hands it to the
+    worker's ``before_load``. One that gets no work exits after ``IDLE_S``."""
+    global _early_server
+    if _early_server is None or _early_server[0].poll() is not None:
+        _early_server = start_forkserver(IDLE_S)
+
+
+def take_early():
+    """The parent :func:`start_early` started, still running, or None; it is the caller's now,
+    and it waits for its work without ``IDLE_S`` (told so on its stdin)."""
+    global _early_server
+    server, _early_server = _early_server, None
+    if server is None:
+        return None
+    try:
+        server[0].stdin.write(TAKEN + b"\n")
+        server[0].stdin.flush()
+    except (BrokenPipeError, ValueError):  # it exited (idle, or failed): none to take
+        pass
+    if server[0].poll() is not None:
+        _stop([server])
+        return None
+    return server
 
 
 def run_children(work: list, children: int, jobs: list, buffers: dict, device: str, server=None) -> list:
@@ -279,13 +321,17 @@ def made_tensors(job: dict, device) -> dict:
 
 def forkserver() -> None:
     """The compile processes' parent (:func:`start_forkserver`): import what the calls need, read
-    ``"<processes> <payload path>"`` from stdin (nothing: the engine needs no compile, exit), fork
+    ``"<processes> <payload path>"`` from stdin (nothing: exit; started early and not
+    :data:`TAKEN` by a worker within its idle time: exit), fork
     that many processes that each do :func:`child`, wait for them; exit with the number that
     failed (each prints its traceback to stderr)."""
     import torch
     from vllm.utils import deep_gemm  # noqa: F401  (imported before the work comes)
 
-    request = sys.stdin.buffer.read().decode().split(maxsplit=1)
+    if not select.select([sys.stdin], [], [], float(os.environ.get(_IDLE_ENV) or 0) or None)[0]:
+        return  # nobody took it: started early for an engine that did not load its model here
+    lines = [line for line in sys.stdin.buffer.read().decode().splitlines() if line.strip() != TAKEN.decode()]
+    request = lines[-1].split(maxsplit=1) if lines else []
     if not request:
         return
     children, path = int(request[0]), request[1]
