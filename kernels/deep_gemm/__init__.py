@@ -137,10 +137,11 @@ _early: dict = {}  # id(worker) -> (server, processes) before_load started, unti
 
 def before_load(worker) -> None:
     """As vLLM starts loading `worker`'s weights: on a block-FP8 model that will run DeepGEMM on a
-    cache holding no DeepGEMM GEMM, start the compile processes' parent now
-    (:func:`start_forkserver`), so that its imports overlap the load; :func:`model_built` or
-    :func:`compile_ahead` takes it, :func:`release` ends it if neither did. Elsewhere nothing
-    starts (the ahead run probes and starts one as before)."""
+    cache holding no DeepGEMM GEMM, take the compile processes' parent the front end or kwarm's
+    activation started (:func:`take_early`), or start one now (:func:`start_forkserver`), so that
+    its imports overlap the load; :func:`model_built` or :func:`compile_ahead` takes it,
+    :func:`release` ends it if neither did. Elsewhere one started early ends, and nothing starts
+    (the ahead run probes and starts one as before)."""
     started = take_early()  # the parent activation or the front end started, if any
     if early_start_gap(worker) is not None:
         _stop([started] if started else [])
