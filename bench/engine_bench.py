@@ -214,6 +214,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run these requests under torch.profiler (CPU and CUDA): the CUDA runtime and "
                         "driver calls that took longest (graph launches, module loads, cudaMalloc) and "
                         "the GPU kernel time go into the result; their wall time includes the overhead")
+    p.add_argument("--alloc-stacks", type=parse_indices, default=[], metavar="I,J,...",
+                   help="record the CUDA caching allocator's history over these requests: each segment "
+                        "they started (cudaMalloc), with its size, stream and the Python frames that asked "
+                        "for it (alloc_stacks); their wall time includes the recording's overhead")
     p.add_argument("--sync-lock", default=None, metavar="FILE",
                    help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
                         "requests, so that engines sharing a GPU never measure while another one "
@@ -813,6 +817,55 @@ def cuda_profiling(enabled: bool, into: dict):
     into["cuda_profile"] = cuda_profile_summary(prof.key_averages())
 
 
+ALLOC_HISTORY_ENTRIES = 200_000
+STACK_FRAMES = 8  # frames kept per new segment, innermost first, vLLM's and kwarm's before others
+
+
+@contextlib.contextmanager
+def alloc_history(enabled: bool, into: dict):
+    """The caching allocator's history (``torch.cuda.memory._record_memory_history``, Python
+    stacks) over the block when `enabled` and CUDA is there; `into` then gets ``alloc_stacks``
+    (:func:`segment_stacks`)."""
+    if not enabled or not snapshots():
+        yield
+        return
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=ALLOC_HISTORY_ENTRIES, stacks="python")
+    try:
+        yield
+    finally:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    into["alloc_stacks"] = segment_stacks(snapshot)
+
+
+def segment_stacks(snapshot: dict) -> list:
+    """Each segment the recorded block started (``segment_alloc`` in the snapshot's device
+    traces): ``{"mib", "stream", "frames"}``, the frames as ``file:line function``, innermost
+    first, vLLM's and kwarm's (what asked) before torch's and Python's (how)."""
+    out = []
+    for traces in snapshot.get("device_traces") or ():
+        for event in traces:
+            if event.get("action") != "segment_alloc":
+                continue
+            frames = [f"{_short(f.get('filename', '?'))}:{f.get('line', '?')} {f.get('name', '?')}"
+                      for f in event.get("frames") or ()]
+            ours = [f for f in frames if f.startswith(("vllm/", "kwarm_ext/"))]
+            out.append({"mib": round(event.get("size", 0) / (1 << 20), 2), "stream": event.get("stream"),
+                        "frames": (ours + [f for f in frames if f not in ours])[:STACK_FRAMES]})
+    return out
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package on (``vllm/...``), else its last two parts."""
+    for package in ("vllm", "kwarm_ext", "torch"):
+        marker = f"/{package}/"
+        if marker in filename:
+            return package + "/" + filename.rsplit(marker, 1)[1]
+    return "/".join(filename.split("/")[-2:])
+
+
 def cuda_profile_summary(averages) -> dict:
     """The ``cuda_profile`` entry from torch.profiler's ``key_averages()``."""
     api = [e for e in averages if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudaDeviceSynchronize")]
@@ -889,9 +942,9 @@ def main(argv=None) -> int:
     model_path = resolve_model(args.model)
     cfg = json.loads((model_path / "config.json").read_text())
     scenario = build_scenario(args.scenario)
-    bad = [i for i in args.profile + args.cuda_profile if i >= len(scenario)]
+    bad = [i for i in args.profile + args.cuda_profile + args.alloc_stacks if i >= len(scenario)]
     if bad:
-        raise SystemExit(f"engine_bench: --profile/--cuda-profile {bad}: scenario {args.scenario!r} has "
+        raise SystemExit(f"engine_bench: --profile/--cuda-profile/--alloc-stacks {bad}: scenario {args.scenario!r} has "
                          f"{len(scenario)} requests (0..{len(scenario) - 1})")
     kwargs = engine_kwargs(args, model_path, cfg)
     lock = EngineLock(args.sync_lock)
@@ -1016,7 +1069,8 @@ def main(argv=None) -> int:
             cpu0 = (time.process_time(), time.thread_time())
             t = time.perf_counter()
             traced: dict = {}
-            with profiling(profiler), cuda_profiling(i in args.cuda_profile, traced):
+            with profiling(profiler), cuda_profiling(i in args.cuda_profile, traced), \
+                    alloc_history(i in args.alloc_stacks, traced):
                 extra = run_request(llm, req, i)  # "s" then includes the profiler's overhead: flagged "profiled"
             s = time.perf_counter() - t
             gc_passes = gc_timer.since(gc0)
@@ -1042,10 +1096,13 @@ def main(argv=None) -> int:
             print(f"request {i} {req.label}: {s:.3f} s, {len(events)} JIT "
                   f"{sorted({e['name'] for e in events})}, gc passes {gc_passes['passes']} "
                   f"{sum(gc_passes['ms']):.2f} ms, host {host_delta}, allocators {alloc}", flush=True)
-            if traced:
+            if "cuda_profile" in traced:
                 cp = traced["cuda_profile"]
                 print(f"  cuda profile: {cp['gpu_kernels']} kernels, {cp['gpu_ms']:.2f} ms GPU; host: "
                       + ", ".join(f"{a['name']} x{a['count']} {a['host_ms']:.2f} ms" for a in cp["api"][:6]),
+                      flush=True)
+            for seg in traced.get("alloc_stacks", ()):
+                print(f"  new segment {seg['mib']} MiB on stream {seg['stream']}: {' <- '.join(seg['frames'][:3])}",
                       flush=True)
             if profile is not None:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "

@@ -1037,7 +1037,7 @@ def test_main_profiles_requests(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--profile", "12",
                           "--out", str(out)], env=fake_engine_env(tmp_path / "x"), capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode != 0 and "--profile/--cuda-profile [12]" in bad.stderr
+    assert bad.returncode != 0 and "--profile/--cuda-profile/--alloc-stacks [12]" in bad.stderr
 
 
 def _wait_for(path: Path, line: str, proc, timeout: float = 60):
@@ -1124,3 +1124,23 @@ def test_deepgemm_sweep_runs_every_count_on_each_weight_vllm_may_run_on_deepgemm
         engine_bench.parse_args(["tiny-qwen3-next", "--deepgemm-sweep"])
     assert "--deepgemm-sweep needs --max-num-batched-tokens" in capsys.readouterr().err
     assert engine_bench.parse_args(["m", "--deepgemm-sweep", "--max-num-batched-tokens", "64"]).deepgemm_sweep
+
+
+def test_alloc_stacks_name_each_new_segment_by_the_frames_that_asked_for_it():
+    # a snapshot as torch.cuda.memory._snapshot() gives it with Python stacks recorded: only the
+    # segment allocations count, vLLM's and kwarm's frames first, paths from their package on
+    site = "/tmp/kwarm-gpu/vllm-0.29.0/site"
+    frames = [{"filename": f"{site}/torch/cuda/memory.py", "line": 10, "name": "empty"},
+              {"filename": f"{site}/vllm/v1/attention/backends/mla/indexer.py", "line": 512, "name": "build"},
+              {"filename": "/usr/lib/python3.12/threading.py", "line": 1, "name": "run"}]
+    snapshot = {"segments": [], "device_traces": [[
+        {"action": "alloc", "size": 512, "stream": 7, "frames": frames},
+        {"action": "segment_alloc", "size": 1400 << 20, "stream": 7, "frames": frames},
+        {"action": "segment_alloc", "size": 2 << 20, "stream": 9, "frames": []}]]}
+    assert engine_bench.segment_stacks(snapshot) == [
+        {"mib": 1400.0, "stream": 7, "frames": ["vllm/v1/attention/backends/mla/indexer.py:512 build",
+                                                 "torch/cuda/memory.py:10 empty", "python3.12/threading.py:1 run"]},
+        {"mib": 2.0, "stream": 9, "frames": []}]
+    assert engine_bench.segment_stacks({}) == []
+    args = engine_bench.parse_args(["tiny-qwen3-next", "--alloc-stacks", "0,1"])
+    assert args.alloc_stacks == [0, 1]
