@@ -216,7 +216,10 @@ def start_early() -> None:
     process), so that its imports overlap vLLM's own start; :func:`take_early` hands it to the
     worker's ``before_load``. One that gets no work exits after ``IDLE_S``."""
     global _early_server
-    if _early_server is None or _early_server[0].poll() is not None:
+    if _early_server is not None and _early_server[0].poll() is not None:
+        _stop([_early_server])  # it exited (nobody took it in time): its files go, a new one starts
+        _early_server = None
+    if _early_server is None:
         _early_server = start_forkserver(IDLE_S)
 
 
