@@ -134,3 +134,16 @@ def test_releases_without_fused_q_skip_the_step():
     view = SimpleNamespace(layers_of=lambda *names: {"a": type("DeepseekV32Attention", (), {})()})
     (step,) = fq._fused_q_steps(view, forced=False)
     assert step.skip == "no fused_q in this vLLM (DSA attention's query kernel, 0.33+)" and step.run is None
+
+
+def test_a_layer_without_what_the_forward_reads_is_a_skip_naming_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from kwarm_ext.kernels.dsa_indexer import fused_q as fq
+
+    monkeypatch.setattr(fq, "fused_q_entry", lambda layer=None: object())  # 0.33's, stood in on 0.24's venv
+    layer = type("DeepseekV32Attention", (SimpleNamespace,), {})(num_local_heads=128, qk_nope_head_dim=128,
+                                                                     kv_lora_rank=512)
+    view = SimpleNamespace(layers_of=lambda *names: {"a": layer})
+    (step,) = fq._fused_q_steps(view, forced=False)
+    assert step.skip == "DeepseekV32Attention has no qk_rope_head_dim" and step.run is None

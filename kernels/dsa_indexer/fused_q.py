@@ -28,7 +28,7 @@ import dataclasses
 import sys
 
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
-from kwarm_ext.kernels.dsa_indexer.common import FUSED_Q_KERNEL, _device, _synchronize
+from kwarm_ext.kernels.dsa_indexer.common import FUSED_Q_KERNEL, _device, _need, _synchronize
 from kwarm_ext.vllm_compat import Missing
 
 ATTENTION_CLASSES = ("DeepseekV32Attention",)  # GLM-5's DSA layers are this class too (0.33)
@@ -74,21 +74,16 @@ def layer_variants(layer) -> list:
     indexer = getattr(layer, "indexer", None)
     has_indexer = indexer is not None and not getattr(layer, "skip_topk", False)
     w_uk_t = getattr(layer, "W_UK_T", None)
-    latent = int(w_uk_t.shape[-1]) if w_uk_t is not None else int(_need(layer, "kv_lora_rank"))
-    common = dict(heads=int(_need(layer, "num_local_heads")), nope_dim=int(_need(layer, "qk_nope_head_dim")),
-                  rope_dim=int(_need(layer, "qk_rope_head_dim")), latent_dim=latent,
+    what = type(layer).__name__
+    latent = int(w_uk_t.shape[-1]) if w_uk_t is not None else int(_need(layer, "kv_lora_rank", what))
+    common = dict(heads=int(_need(layer, "num_local_heads", what)),
+                  nope_dim=int(_need(layer, "qk_nope_head_dim", what)),
+                  rope_dim=int(_need(layer, "qk_rope_head_dim", what)), latent_dim=latent,
                   indexer_heads=int(indexer.n_head) if has_indexer else 0,
                   indexer_dim=int(indexer.head_dim) if has_indexer else 0,
                   interleave=bool(getattr(layer, "_index_rope_interleave", False)))
     return [FusedQVariant(**common, mqa=True, quantize=bool(getattr(layer, "_fp8_query", False))),
             FusedQVariant(**common, mqa=False, quantize=False)]
-
-
-def _need(obj, attr: str):
-    value = getattr(obj, attr, None)
-    if value is None:
-        raise Missing(f"{type(obj).__name__} has no {attr}")
-    return value
 
 
 def run_variant(fn, layer, variant: FusedQVariant, device, dtype) -> list:
@@ -129,17 +124,16 @@ def _fused_q_steps(view, forced: bool) -> list:
     layers = view.layers_of(*ATTENTION_CLASSES)
     if not layers:
         return [Step("fused_q", FUSED_Q_KERNEL, skip="no DeepseekV32Attention layer")]
-    first = next(iter(layers.values()))
-    try:
-        fn = fused_q_entry(first)
-    except Missing as exc:
-        return [Step("fused_q", FUSED_Q_KERNEL, skip=str(exc))]
-    device = _device(view)
-    dtype = getattr(getattr(_vllm_config(view), "model_config", None), "dtype", None)
     todo = {}  # variant -> a layer that launches it
-    for layer in layers.values():
-        for variant in layer_variants(layer):
-            todo.setdefault(variant, layer)
+    try:
+        fn = fused_q_entry(next(iter(layers.values())))
+        for layer in layers.values():
+            for variant in layer_variants(layer):
+                todo.setdefault(variant, layer)
+        device = _device(view)
+    except Missing as exc:  # no fused_q (before 0.33), or a layer without what the forward reads
+        return [Step("fused_q", FUSED_Q_KERNEL, skip=str(exc))]
+    dtype = getattr(getattr(_vllm_config(view), "model_config", None), "dtype", None)
     return [Step(f"fused_q {variant.label()}", FUSED_Q_KERNEL,
                  run=lambda variant=variant, layer=layer: run_variant(
                      fn, layer, variant, device, dtype or layer.rotary_emb.cos_sin_cache.dtype))
