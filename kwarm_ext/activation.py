@@ -55,13 +55,14 @@ def _start_compile_parent(settings) -> None:
     """Where the front end marked a block-FP8 DeepGEMM model (``KWARM_DEEP_GEMM_EARLY``), start
     deep_gemm's compile processes' parent now, beside this process's own imports (it imports
     torch and vLLM in a process of its own; this one imports neither)."""
+    if not (os.environ.get(config.DEEP_GEMM_EARLY_ENV) and settings.warmups.wants("deep_gemm")):
+        return
     from kwarm_ext.log import fail_open
 
     with fail_open("deep_gemm: could not start the compile processes' parent early; it starts at weight loading"):
         from kwarm_ext.kernels.deep_gemm import processes
 
-        if os.environ.get(processes.EARLY_ENV) and settings.warmups.wants("deep_gemm"):
-            processes.start_early()
+        processes.start_early()
 
 
 def is_active() -> bool:

@@ -42,6 +42,10 @@ VARIABLES = {
                            "allows pkg and its submodules.",
 }
 
+# Not a setting: kwarm's front end sets it for a block-FP8 model that runs DeepGEMM, and the engine
+# processes that inherit it start deep_gemm's compile processes' parent as kwarm activates there.
+DEEP_GEMM_EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
+
 # Modules whose kernels a manifest may name without KWARM_ALLOW_MODULES (a manifest is
 # untrusted input: replay imports the modules it names).
 DEFAULT_ALLOWED_MODULES = ("vllm.", "kwarm_ext.")

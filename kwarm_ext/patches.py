@@ -275,21 +275,18 @@ def _wrap_create_engine_config(wrapped, instance, args, kwargs):
     own imports, and an engine in this process has it started here. vLLM versions: 0.20-0.33
     (``vllm/engine/arg_utils.py``). It can go with ``deep_gemm``.
     """
+    family = None
     with fail_open("deep_gemm: reading the checkpoint's config failed, its compile processes start later"):
         from kwarm_ext import config as kwarm_config
 
         if kwarm_config.get().warmups.wants("deep_gemm"):
-            from kwarm_ext.kernels import deep_gemm
+            from kwarm_ext.kernels import deep_gemm as family
 
-            deep_gemm.before_engine_config(instance)
+            family.before_engine_config(instance)
     config = wrapped(*args, **kwargs)
-    with fail_open("deep_gemm: reading the engine config failed, its compile processes start at weight loading"):
-        from kwarm_ext import config as kwarm_config
-
-        if kwarm_config.get().warmups.wants("deep_gemm"):
-            from kwarm_ext.kernels import deep_gemm
-
-            deep_gemm.engine_config_made(config)
+    if family is not None:
+        with fail_open("deep_gemm: reading the engine config failed, its compile processes start at weight loading"):
+            family.engine_config_made(config)
     return config
 
 

@@ -144,7 +144,7 @@ def before_load(worker) -> None:
     (the ahead run probes and starts one as before)."""
     started = take_early()  # the parent activation or the front end started, if any
     if early_start_gap(worker) is not None:
-        _stop([started] if started else [])
+        _stop([started])
         return
     tp_size = getattr(worker.vllm_config.parallel_config, "tensor_parallel_size", 1)
     n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
@@ -202,8 +202,7 @@ def engine_config_made(vllm_config) -> None:
     if config_gap(vllm_config) is None:
         _start_for_engine()
     elif os.environ.pop(EARLY_ENV, None) is not None:
-        started = take_early()
-        _stop([started] if started else [])
+        _stop([take_early()])
 
 
 def _start_for_engine() -> None:
@@ -492,7 +491,7 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> li
         t0 = time.perf_counter()
         outcomes = run_children(work, children, jobs, buffers, device, server=server)
     finally:
-        _stop([server] if server else [])  # unused (warm probe) or failed: none outlives the step
+        _stop([server])  # unused (warm probe) or failed: none outlives the step
     wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
     return labels + [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs "
                      f"pulled by {len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s "

@@ -20,21 +20,20 @@ import tempfile
 import time
 import traceback
 
+from kwarm_ext.config import DEEP_GEMM_EARLY_ENV as EARLY_ENV  # noqa: F401  (the front end's mark)
+
 CHILD_TIMEOUT_S = 1800.0
 IDLE_S = 600.0  # a parent started early that nobody took in this long exits (its engine loaded no model here)
 _IDLE_ENV = "KWARM_DEEP_GEMM_IDLE_S"  # how the parent learns it was started early
 TAKEN = b"taken"  # the line take_early sends: a worker took this parent, its work comes
-# Set by the front end (``engine_config_made``) for a block-FP8 model that runs DeepGEMM: the
-# engine processes it starts inherit it, and kwarm's activation there starts the parent at once.
-EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
 COMPILE_S = 0.5  # a DeepGEMM call this long compiled its kernel (NVCC: seconds; a cached one loads in ms)
 RUN_COUNTS = 8  # a run of the work list holds at most this many of one weight's token counts (chunks)
 
 
 def _stop(servers) -> None:
-    """Kill what still runs of `servers` (:func:`start_forkserver`'s triples) and of what they
-    forked (their process groups), and close their files."""
-    for proc, out, err in servers:
+    """Kill what still runs of `servers` (:func:`start_forkserver`'s triples; None: none) and of
+    what they forked (their process groups), and close their files."""
+    for proc, out, err in filter(None, servers):
         _kill(proc)
         if proc.stdin is not None and not proc.stdin.closed:
             try:
