@@ -1058,6 +1058,9 @@ def main(argv=None) -> int:
         result["threads_at_request0"] = sorted(t.name for t in threading.enumerate())
         # the measuring thread's stream (vLLM's in-process engine runs on it), beside new_segments' streams
         result["stream_at_request0"] = torch.cuda.current_stream().cuda_stream if snapshots() else None
+        # vLLM's aux stream (shared experts beside the routed ones), where created
+        aux = getattr(sys.modules.get("vllm.utils.torch_utils"), "_aux_stream", None)
+        result["aux_stream"] = getattr(aux, "cuda_stream", None)
         for i, req in enumerate(scenario):
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])
             dg0 = deepgemm_entries(dg_dir)

@@ -15,18 +15,21 @@ Why:
     tensors), the tiny DeepSeek-V3.2's 43 ``empty_strided_cuda`` 0.6 ms more. Counting free
     bytes, as a first version of this family did, misses it.
 
-    The V2 runner (0.29-0.33) allocates on two streams: the model's (the current one) and
-    ``output_copy_stream`` (its asynchronous copies of sampled tokens and logprobs), and the
-    caching allocator keeps each stream's blocks apart. At published dimensions (vLLM 0.29.0
-    and 0.33.0, the engine benchmark's ``new_segments``), request 0 started a 2 MiB small-pool
-    and a 20 MiB large-pool segment on the copy stream, and one or two 20 MiB large-pool
-    segments on the model's stream (allocations of 1-10 MiB share 20 MiB segments), though
-    this family had left 45 MiB free in the model stream's small pool.
+    A model with shared experts allocates on a second stream: vLLM's auxiliary stream
+    (``vllm.utils.torch_utils.aux_stream``, 0.24-0.33), on which ``SharedExperts`` runs the
+    shared experts beside the routed ones; the caching allocator keeps each stream's blocks
+    apart. At published dimensions (vLLM 0.29.0 block-FP8 DeepSeek-V3.2 and GLM-5, the engine
+    benchmark's ``--alloc-stacks 0``), request 0 started a 2 MiB small-pool and a 20 MiB
+    large-pool segment there, both for ``per_token_group_quant_fp8``'s output in
+    ``SharedExperts.maybe_forward_async`` (allocations of 1-10 MiB share 20 MiB segments),
+    though this family had left 45 MiB free on the model's stream. (A first version reserved
+    on the V2 runner's ``output_copy_stream`` instead: request 0 had started no segment there,
+    with or without it.)
 
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture
     dummy run and sampler warmup done; ``kwarm_ext.patches`` wraps it), on each stream of
-    :data:`STREAMS` the runner has, allocate blocks of 1 MiB (the largest small-pool size)
+    :data:`STREAMS` this process has, allocate blocks of 1 MiB (the largest small-pool size)
     and of 9 MiB (two to a 20 MiB large-pool segment), all alive at once, then free them.
     Blocks that fit in the existing free pieces take no new memory; the others start segments
     now, at startup. Either way each pool then holds at least that much free in whole pieces,
@@ -42,6 +45,7 @@ Remove when:
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from kwarm_ext.families import Plan, Step
 
@@ -50,8 +54,9 @@ KERNEL = "CUDA caching allocator (small and large pools)"
 BLOCK = 1 << 20  # the largest small-pool allocation (torch's kSmallSize): two per 2 MiB segment
 LARGE_BLOCK = 9 << 20  # under torch's kMinLargeAlloc (10 MiB): two per 20 MiB large-pool segment
 RESERVE_BLOCKS = 32
-# (label, the runner's attribute holding the stream (None: the current one), 1 MiB blocks, 9 MiB blocks)
-STREAMS = (("model stream", None, RESERVE_BLOCKS, 4), ("output-copy stream", "output_copy_stream", 4, 2))
+AUX_STREAM = ("vllm.utils.torch_utils", "_aux_stream")  # what aux_stream() created, None until then
+# (label, where the stream is: None, the current one; else (module, attribute), 1 MiB blocks, 9 MiB blocks)
+STREAMS = (("model stream", None, RESERVE_BLOCKS, 4), ("aux stream", AUX_STREAM, 4, 2))
 MIN_DEVICE_FREE = 1 << 30
 
 
@@ -85,12 +90,13 @@ def small_pool(stats: dict) -> tuple:
     return stats.get("segment.small_pool.current", 0), max(0, free) / (1 << 20)
 
 
-def streams(runner) -> list:
-    """``[(label, stream or None, 1 MiB blocks, 9 MiB blocks)]`` of :data:`STREAMS` the runner has."""
+def streams() -> list:
+    """``[(label, stream or None, 1 MiB blocks, 9 MiB blocks)]`` of :data:`STREAMS` this process
+    has: a module's stream counts once created (reading it creates none)."""
     out = []
-    for label, attr, small, large in STREAMS:
-        stream = None if attr is None else getattr(runner, attr, None)
-        if attr is None or stream is not None:
+    for label, where, small, large in STREAMS:
+        stream = None if where is None else getattr(sys.modules.get(where[0]), where[1], None)
+        if where is None or stream is not None:
             out.append((label, stream, small, large))
     return out
 
@@ -112,7 +118,7 @@ def _reserve(view, details: dict) -> list:
     else:
         parts = []
         first = small_pool(torch.cuda.memory_stats(device))
-        for label, stream, small, large in streams(view.runner):
+        for label, stream, small, large in streams():
             before = torch.cuda.memory_stats(device)
             with on_stream(stream):
                 reserve(device, small)

@@ -139,16 +139,24 @@ def test_not_on_cuda_is_a_skip_and_disabled_is_disabled(gpu_allocator, kwarm_env
     assert gpu_allocator.reserved == []
 
 
-def test_the_v2_runners_output_copy_stream_gets_its_own_reserve(gpu_allocator, kwarm_env):
-    # the V2 runner (0.29-0.33) copies sampled tokens out on its own stream, whose blocks the
-    # allocator keeps apart: request 0 started segments there (BENCHMARKS.md, new_segments)
+def test_vllms_aux_stream_gets_its_own_reserve_once_created(gpu_allocator, kwarm_env, monkeypatch):
+    # the shared experts run on vLLM's aux stream, whose blocks the allocator keeps apart:
+    # request 0 started a small and a large segment there (BENCHMARKS.md, --alloc-stacks 0)
+    import vllm.utils.torch_utils as torch_utils
+
     kwarm_env(KWARM_WARMUPS="caching_allocator")
-    copies = object()  # a torch.cuda.Stream there
-    worker = stand_in_worker(device="cuda:0", output_copy_stream=copies)
+    monkeypatch.setattr(torch_utils, "_aux_stream", None)
+    assert torch_utils.aux_stream() is None, "vLLM creates none without CUDA"
+    assert [label for label, *_ in ca.streams()] == ["model stream"], "none created: the model's stream only"
+
+    aux = object()  # the torch.cuda.Stream vLLM's aux_stream() created
+    monkeypatch.setattr(torch_utils, "_aux_stream", aux)
+    assert torch_utils.aux_stream() is aux, "what kwarm reads is what vLLM's aux_stream() hands out"
+    worker = stand_in_worker(device="cuda:0")
     warmup.run(worker)
     step = warmup.after_capture(worker)["families"][0]["steps"][0]
     assert gpu_allocator.reserved == [("cuda:0", None, 32, 1), ("cuda:0", None, 4, 9),
-                                      ("cuda:0", copies, 4, 1), ("cuda:0", copies, 2, 9)]
+                                      ("cuda:0", aux, 4, 1), ("cuda:0", aux, 2, 9)]
     assert step["variants"] == ["model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; "
-                                "output-copy stream 4 x 1 MiB + 2 x 9 MiB: 2 small, 1 large segments new; "
+                                "aux stream 4 x 1 MiB + 2 x 9 MiB: 2 small, 1 large segments new; "
                                 "small pool 11 -> 47 MiB cached free"]
