@@ -289,20 +289,28 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
             buffers = _shared_inputs(torch, [target for target, _ in work])
             calls = [(target, target.prepare(buffers)) for target, _ in work]
             order = _order([counts for _, counts in work], interleave=budgeted)
-            try:
-                with _session(torch, device_type) as mode:
-                    warmed, left = _warm(calls, order, budgeted)
-            except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
-                if device_type != "cuda" or config.strict():
-                    raise
-                mode = f"run (capture failed: {type(exc).__name__}: {exc})"
-                warmed, left = _warm(calls, order, budgeted)
+            if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
+                warmed, left, mode = _warm(calls, order, budgeted) + ("warmed",)
+            else:
+                warmed, left, mode = _captured(calls, order, budgeted, torch, device_type)
         details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
                           "counts": max(len(c) for _, c in work)}
         return [f"{target.label}: {len(counts)} counts (M {min(counts)}..{max(counts)})" for target, counts in work] \
             + [f"{warmed} GEMM problems {mode}" + (f", {left} left to the requests (KWARM_BUDGET)" if left else "")]
 
     return step
+
+
+def _captured(calls: list, order: list, budgeted: bool, torch, device_type: str | None) -> tuple:
+    """``(warmed, left, mode)``: :func:`_warm` inside :func:`_session`; run instead where
+    capture fails."""
+    try:
+        with _session(torch, device_type) as mode:
+            return _warm(calls, order, budgeted) + (mode,)
+    except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
+        if device_type != "cuda" or config.strict():
+            raise
+        return _warm(calls, order, budgeted) + (f"run (capture failed: {type(exc).__name__}: {exc})",)
 
 
 def _shared_inputs(torch, targets: list) -> dict:

@@ -262,7 +262,8 @@ def test_a_spent_budget_leaves_grid_and_fill_to_the_requests(release):
     summary = result["family"]["details"]["summary"]
     for name, left in (("grid", 4 * len([m for m in GRID if m > 64])), ("fill", 4 * len([m for m in FILL if m not in GRID]))):
         assert steps[name]["status"] == "ran"
-        assert steps[name]["variants"][-1] == f"0 GEMM problems run, {left} left to the requests (KWARM_BUDGET)"
+        # spent before the pass: nothing captured (on CUDA an empty graph would make torch warn)
+        assert steps[name]["variants"][-1] == f"0 GEMM problems warmed, {left} left to the requests (KWARM_BUDGET)"
         assert f"{name} 0 problems ({left} left to the requests: KWARM_BUDGET)" in summary
 
 
