@@ -150,7 +150,7 @@ def before_load(worker) -> None:
     n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
     _early[id(worker)] = (started or start_forkserver(), n)
     logger.info("kwarm: deep_gemm: the parent of %d compile processes %s (DeepGEMM's cache %s holds no GEMM "
-                "kernel)", n, "started as this engine process started" if started else "started beside weight loading",
+                "kernel)", n, "started early (front end or engine start)" if started else "started beside weight loading",
                 _cache_dir())
 
 
