@@ -47,6 +47,7 @@ import gc
 import json
 import os
 import pstats
+import signal
 import sys
 import tempfile
 import threading
@@ -703,6 +704,16 @@ def _count_names(events) -> list[dict]:
     return [{"name": k, "count": v} for k, v in sorted(counts.items())]
 
 
+def init_cut(out: Path, result: dict, t0: float, signum, frame) -> None:
+    """SIGTERM (``timeout``, gpu_run.sh) before ``LLM()`` returned: write `result` with how long
+    the start had run (``init_cut_s``, any wait for ``--sync-lock`` included), so that the table
+    says "not done at N s" for a start that outlasted its call, then exit."""
+    result["init_cut_s"] = round(time.perf_counter() - t0, 1)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"engine_bench: ended before init was done ({result['init_cut_s']} s); wrote {out}", flush=True)
+    os._exit(128 + signum)
+
+
 def default_out(model: str, vllm_version: str, kwarm: str, label: str) -> Path:
     return HERE / "results" / f"{model}-vllm{vllm_version}-kwarm{kwarm}-{label}.json"
 
@@ -967,8 +978,21 @@ def main(argv=None) -> int:
     for name in OPTIONAL_ENGINE_ARGS:
         if name in kwargs and name not in fields:
             kwargs.pop(name)
-    with lock.shared() as init_wait_s:  # other engines may initialize too, none measures
-        llm = LLM(**kwargs)
+    import vllm
+
+    out = Path(args.out) if args.out else default_out(model_path.name, vllm.__version__, args.kwarm, cache["label"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cut = {"schema": table.SCHEMA, "model": model_path.name, "model_path": str(model_path),
+           "architectures": cfg.get("architectures"), "scenario": args.scenario, "versions": {"vllm": vllm.__version__},
+           "args": vars(args), "engine_kwargs": kwargs, "kwarm": args.kwarm, "variant": args.variant, "cache": cache,
+           "import_s": round(import_s, 3), "init_s": None, "requests": [], "complete": False,
+           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started))}
+    previous = signal.signal(signal.SIGTERM, functools.partial(init_cut, out, cut, t0))
+    try:
+        with lock.shared() as init_wait_s:  # other engines may initialize too, none measures
+            llm = LLM(**kwargs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     init_s = time.perf_counter() - t0 - init_wait_s
     init_counter.enabled = False
 
@@ -1018,9 +1042,6 @@ def main(argv=None) -> int:
         "complete": False,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
     }
-    out = Path(args.out) if args.out else default_out(model_path.name, versions["vllm"], args.kwarm,
-                                                      cache["label"])
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write():
         # Rewritten after init and after every request: a run cut short keeps what it measured.

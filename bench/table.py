@@ -195,6 +195,13 @@ def run_family_seconds(run: dict) -> dict[str, float]:
 
 # -------------------------------------------------------------------------- rendering
 
+def init_cell(run: dict) -> str:
+    """Engine init seconds; a start `timeout` ended (``init_cut_s``): ``not done at N``."""
+    if run.get("init_s") is None and run.get("init_cut_s") is not None:
+        return f"not done at {run['init_cut_s']:.0f}"
+    return fmt_s(run.get("init_s"))
+
+
 def fmt_s(value) -> str:
     """Seconds the way gpu-baseline.md writes them: 127, 3.13, 0.038."""
     if value is None:
@@ -261,7 +268,7 @@ def render_table(runs: list[dict]) -> str:
     for run in runs:
         warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
         lines.append(f"| {run['versions']['vllm']} | {kwarm_mode(run)} | {run['cache']['label']} "
-                     f"| {fmt_s(run['init_s'])} | {warm} | {request_cell(run)} | {total_jit(run)} "
+                     f"| {init_cell(run)} | {warm} | {request_cell(run)} | {total_jit(run)} "
                      f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} |")
     return "\n".join(lines)
 
@@ -304,7 +311,7 @@ def render_start_cost(runs: list[dict]) -> str:
             if run.get("complete") is False:
                 name += " (cut short)"
             warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
-            out.append(f"| {name} | {fmt_s(run['init_s'])} | {warm} | {top_families(run)} "
+            out.append(f"| {name} | {init_cell(run)} | {warm} | {top_families(run)} "
                        f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} | {jit_cell(run)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
@@ -336,6 +343,8 @@ def render_kwarm(run: dict) -> str | None:
     if run["kwarm"] != "on":
         return None
     summary = run.get("kwarm_report_summary")
+    if not summary and run.get("init_cut_s") is not None:
+        return f"- **{run_name(run)}**: ended before init was done, at {run['init_cut_s']:.0f} s"
     if not summary:
         return f"- **{run_name(run)}**: no kwarm report (the warmup hook did not run?)"
     fams = "; ".join(

@@ -151,6 +151,26 @@ def test_cut_short_run(run):
     assert "| — | cut short | 0 | — | — |" in table.render([run])
 
 
+def test_a_start_timeout_ends_is_recorded_as_not_done(run, tmp_path):
+    # gpu_run.sh's `timeout` sends SIGTERM; a start that outlasted its call says how long it ran
+    out = tmp_path / "cut.json"
+    cut = {key: run[key] for key in ("schema", "model", "scenario", "versions", "kwarm", "cache")}
+    cut.update(init_s=None, requests=[], complete=False)
+    script = (f"import functools, os, signal, sys, time; sys.path.insert(0, {str(BENCH)!r}); import engine_bench; "
+              f"cut = {cut!r}; cut['init_s'] = None; "
+              f"signal.signal(signal.SIGTERM, functools.partial(engine_bench.init_cut, "
+              f"engine_bench.Path({str(out)!r}), cut, time.perf_counter() - 536.2)); "
+              f"os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + 15, done.stderr
+    assert "ended before init was done (536." in done.stdout
+    (loaded,) = table.load([out])
+    assert loaded["init_cut_s"] >= 536.2 and loaded["init_s"] is None
+    assert table.render_table([loaded]).splitlines()[-1].startswith("| 0.24.0 | off | cold | not done at 536 | — |")
+    loaded["kwarm"] = "on"
+    assert "ended before init was done, at 536 s" in table.render([loaded])
+
+
 def test_summarize_report_counts_steps():
     summary = table.summarize_report({"total_s": 2.5, "rank": 0, "families": [
         {"name": "runner", "status": "ran", "seconds": 1.0, "compiled": [{}, {}],
