@@ -23,8 +23,7 @@ Why:
     large-pool segment there, both for ``per_token_group_quant_fp8``'s output in
     ``SharedExperts.maybe_forward_async`` (allocations of 1-10 MiB share 20 MiB segments),
     though this family had left 45 MiB free on the model's stream. (A first version reserved
-    on the V2 runner's ``output_copy_stream`` instead: request 0 had started no segment there,
-    with or without it.)
+    on the V2 runner's ``output_copy_stream`` instead, where request 0 started no segment.)
 
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture
