@@ -165,6 +165,8 @@ fi
 # shellcheck disable=SC1090
 source "$STAGED/vllm-$VER/env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# the CPUs the compiles share: threads per core say whether 16 CPUs are 16 cores or 8 with two threads each
+lscpu 2>/dev/null | grep -E "^(CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|Model name):" | tee -a "$OUT/gpu.txt"
 
 # ------------------------------------------------------------------ install kwarm
 install_kwarm() {
