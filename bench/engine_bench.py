@@ -708,10 +708,12 @@ def init_cut(out: Path, result: dict, t0: float, signum, frame) -> None:
     """SIGTERM (``timeout``, gpu_run.sh) before ``LLM()`` returned: write `result` with how long
     the start had run (``init_cut_s``, any wait for ``--sync-lock`` included), so that the table
     says "not done at N s" for a start that outlasted its call, then exit."""
-    result["init_cut_s"] = round(time.perf_counter() - t0, 1)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    print(f"engine_bench: ended before init was done ({result['init_cut_s']} s); wrote {out}", flush=True)
-    os._exit(128 + signum)
+    try:  # whatever happens, the process ends here: an exception would surface inside vLLM's start
+        result["init_cut_s"] = round(time.perf_counter() - t0, 1)
+        out.write_text(json.dumps(result, indent=1, default=str))
+        print(f"engine_bench: ended before init was done ({result['init_cut_s']} s); wrote {out}", flush=True)
+    finally:
+        os._exit(128 + signum)
 
 
 def default_out(model: str, vllm_version: str, kwarm: str, label: str) -> Path:
