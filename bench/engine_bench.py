@@ -1020,15 +1020,11 @@ def main(argv=None) -> int:
             print(f"engine_bench: no kwarm report at {report_path}: {exc}", file=sys.stderr)
 
     requests: list[dict] = []
-    result = {
-        "schema": table.SCHEMA,
-        "model": model_path.name, "model_path": str(model_path),
-        "architectures": cfg.get("architectures"), "scenario": args.scenario,
+    result = {  # the fields known before init (`cut`), then what init told
+        **cut,
         "versions": versions, "gpu": torch.cuda.get_device_name(0),
-        "args": vars(args), "engine_kwargs": kwargs,
-        "kwarm": args.kwarm, "variant": args.variant, "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
-        "cache": cache,
-        "import_s": round(import_s, 3), "init_s": round(init_s, 3),
+        "kwarm_active": kwarm_state["active"], "kwarm_doors": kwarm_state["doors"],
+        "init_s": round(init_s, 3),
         "kwarm_warmup_s": table.total_seconds(report),
         "kwarm_warmup_s_ranks": rank_warmups(report_path, args.tensor_parallel_size),
         "kwarm_family_s": table.family_seconds(report),
@@ -1041,8 +1037,6 @@ def main(argv=None) -> int:
         "requests": requests,
         "sync": {"lock": args.sync_lock, "init_wait_s": round(init_wait_s, 3), "requests_wait_s": None}
         if args.sync_lock else None,
-        "complete": False,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
     }
 
     def write():

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 
 import json
-import os
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -565,7 +565,7 @@ def test_the_front_end_marks_a_block_fp8_model_and_an_engine_in_its_process_star
             server[2].seek(0)
             assert b"Traceback" not in server[2].read()
     finally:
-        dg._stop([server] if server else [])
+        dg._stop([server])
     assert dg.take_early() is None
 
 

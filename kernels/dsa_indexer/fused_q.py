@@ -29,7 +29,7 @@ import sys
 
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
 from kwarm_ext.kernels.dsa_indexer.common import FUSED_Q_KERNEL, _device, _need, _synchronize
-from kwarm_ext.vllm_compat import Missing
+from kwarm_ext.vllm_compat import Missing, resolve_or_none
 
 ATTENTION_CLASSES = ("DeepseekV32Attention",)  # GLM-5's DSA layers are this class too (0.33)
 _KERNELS = "vllm.models.deepseek_v32.common.kernels"
@@ -58,12 +58,7 @@ def fused_q_entry(layer=None):
     """The ``fused_q`` the layer's module calls (production's binding), else the kernels
     module's; raises Missing where this vLLM has none (before 0.33)."""
     owner = sys.modules.get(type(layer).__module__) if layer is not None else None
-    fn = getattr(owner, "fused_q", None)
-    if fn is None:
-        try:
-            fn = getattr(__import__(_KERNELS, fromlist=["fused_q"]), "fused_q", None)
-        except ImportError:
-            fn = None
+    fn = getattr(owner, "fused_q", None) or resolve_or_none(f"{_KERNELS}:fused_q")
     if fn is None:
         raise Missing("no fused_q in this vLLM (DSA attention's query kernel, 0.33+)")
     return fn
