@@ -86,6 +86,20 @@ def bound_kv_cache(layer):
     return kv
 
 
+def dataclass_instance(cls, **values):
+    """`cls` (a dataclass, such as a backend's metadata class) from `values`; a required field
+    `values` does not name gets None, an optional one its default."""
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        if field.name in values:
+            kwargs[field.name] = values[field.name]
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            kwargs[field.name] = None
+    return cls(**kwargs)
+
+
 def common_metadata(table, query_lens: list, seq_lens: list, device):
     """vLLM's ``CommonAttentionMetadata`` for a batch of ``len(query_lens)`` requests whose
     block-table rows are `table` and whose new-token slots are all -1 (padding: no KV write).

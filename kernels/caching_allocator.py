@@ -25,6 +25,15 @@ Why:
     though this family had left 45 MiB free on the model's stream. (A first version reserved
     on the V2 runner's ``output_copy_stream`` instead, where request 0 started no segment.)
 
+    DSA models on ``FLASH_ATTN_MLA_SPARSE`` (vLLM 0.28+, Hopper, BF16 KV cache) hold a third
+    kind: FlashAttention 3's split-KV scratch (``out_accum``) in the backend's ``forward_mqa``,
+    which runs every token of a "decode" as its own one-token query (the backend counts a request
+    of at most ``reorder_batch_threshold`` new tokens, 256 for 64-128 heads, as a decode). It
+    grows with the tokens of the batch: request 0 (200 tokens) of the block-FP8 DeepSeek-V3.2
+    and GLM-5 on vLLM 0.29.0 started a 1400 MiB and a 700 MiB large-pool segment for it, 28
+    splits x heads x 200 x 512 x 4 bytes; capture's decode batches allocate theirs in the
+    graphs' private pool, and V2's ``warmup_kernels`` prefill (16 x 2 tokens) far less.
+
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture
     dummy run and sampler warmup done; ``kwarm_ext.patches`` wraps it), on each stream of
@@ -36,6 +45,16 @@ How:
     memory (vLLM's memory profile leaves 150 MiB of headroom); skipped when less than 1 GiB is
     free.
 
+    Sparse MQA scratch: through the layer's own ``forward_mqa`` (one layer per attention group),
+    a one-request batch of T new tokens for T from ``reorder_batch_threshold`` (capped by the
+    ``topk_indices_buffer``'s rows) down to 1, on the model's stream; FlashAttention 3 sizes and
+    allocates its scratch as for a request, so its largest one stays cached (1792 MiB at
+    DeepSeek-V3.2's 128 heads, 896 MiB at GLM-5's 64, the most a prompt of at most 256 tokens
+    allocates there, which the first such prompt allocates anyway), and each kernel variant
+    those batches choose is launched once (lazy module loading). The batch's top-k indices are
+    all -1 (no KV entry read; the indexer rewrites ``topk_indices_buffer`` every forward), its
+    block-table row is the runner's own, nothing writes the KV cache.
+
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture.
 
 Remove when:
@@ -45,8 +64,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 from kwarm_ext.families import Plan, Step
+from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, dataclass_instance, group_id_of,
+                                                group_layer, groups_of, metadata_builder, vllm_config)
+from kwarm_ext.vllm_compat import Missing
 
 NAME = "caching_allocator"
 KERNEL = "CUDA caching allocator (small and large pools)"
@@ -57,6 +80,8 @@ AUX_STREAM = ("vllm.utils.torch_utils", "_aux_stream")  # what aux_stream() crea
 # (label, where the stream is: None, the current one; else (module, attribute), 1 MiB blocks, 9 MiB blocks)
 STREAMS = (("model stream", None, RESERVE_BLOCKS, 4), ("aux stream", AUX_STREAM, 4, 2))
 MIN_DEVICE_FREE = 1 << 30
+SPARSE_MQA_BACKEND = "FLASH_ATTN_MLA_SPARSE"
+SPARSE_MQA_KERNEL = "FlashAttention 3 sparse MQA scratch (FLASH_ATTN_MLA_SPARSE forward_mqa)"
 
 
 def applies(view) -> str | None:
@@ -71,7 +96,86 @@ def plan(view, forced) -> Plan:
     """The steps, planned once CUDA-graph capture is done (the family runs after it); the
     details: the summary line's text, what the reserve found and added."""
     details: dict = {}
-    return Plan([Step("small and large pools", KERNEL, run=lambda: _reserve(view, details))], lambda: dict(details))
+    steps = [Step(f"sparse MQA scratch, {group_label(group)}", SPARSE_MQA_KERNEL,
+                  run=lambda group=group: _sparse_mqa_scratch(view, group, details))
+             for group in groups_of(view, SPARSE_MQA_BACKEND)]
+    steps.append(Step("small and large pools", KERNEL, run=lambda: _reserve(view, details)))
+    return Plan(steps, lambda: summary(details))
+
+
+def summary(details: dict) -> dict:
+    """The summary line's details: what each step that ran found and added."""
+    parts = [*details.get("sparse_mqa", ()), *filter(None, [details.get("pools")])]
+    return {"summary": "; ".join(parts)} if parts else {}
+
+
+def group_label(group) -> str:
+    return f"KV-cache group {getattr(group, 'kv_cache_group_id', '?')}"
+
+
+def sparse_mqa_tokens(view, group) -> list:
+    """The batch sizes (new tokens of one request) the sparse MQA step runs, largest first: what
+    ``FLASH_ATTN_MLA_SPARSE`` counts as a decode, up to the rows of its ``topk_indices_buffer``."""
+    threshold = getattr(metadata_builder(group), "reorder_batch_threshold", None)
+    if not isinstance(threshold, int) or threshold < 1:
+        raise Missing(f"{group_label(group)}: its metadata builder has no reorder_batch_threshold")
+    layer = group_layer(view, group)
+    buffer = getattr(getattr(layer, "impl", None), "topk_indices_buffer", None)
+    if buffer is None:
+        raise Missing(f"{group_label(group)}: no layer with impl.topk_indices_buffer in the forward context")
+    return list(range(min(threshold, buffer.shape[0]), 0, -1))
+
+
+def sparse_mqa(view, group, tokens: int) -> None:
+    """One batch of one request with `tokens` new tokens through the group's first layer's
+    ``forward_mqa``, its top-k indices all -1."""
+    import torch
+
+    layer = group_layer(view, group)
+    impl, kv_cache = layer.impl, bound_kv_cache(layer)
+    device = kv_cache.device
+    dtype = getattr(getattr(vllm_config(view), "model_config", None), "dtype", None) or kv_cache.dtype
+    builder = metadata_builder(group)
+    block_size = getattr(getattr(builder, "kv_cache_spec", None), "block_size", None) or kv_cache.shape[1]
+    impl.topk_indices_buffer[:tokens].fill_(-1)
+    q_nope = torch.zeros(tokens, impl.num_heads, impl.kv_lora_rank, dtype=dtype, device=device)
+    q_rope = torch.zeros(tokens, impl.num_heads, impl.qk_rope_head_dim, dtype=dtype, device=device)
+    metadata = dataclass_instance(
+        builder.metadata_cls, num_reqs=1, max_query_len=tokens, max_seq_len=tokens, num_actual_tokens=tokens,
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        block_table=block_table(view, group_id_of(group, group_label(group)), 1),
+        req_id_per_token=torch.zeros(tokens, dtype=torch.int32, device=device),
+        seq_lens=torch.full((1,), tokens, dtype=torch.int32, device=device), block_size=block_size,
+        topk_tokens=impl.topk_indices_buffer.shape[1], num_decodes=0, num_prefills=1, num_decode_tokens=0,
+        prefill=None, causal=True)
+    impl.forward_mqa((q_nope, q_rope), kv_cache, metadata, layer)
+
+
+def _sparse_mqa_scratch(view, group, details: dict) -> list:
+    import torch
+
+    device = view.device
+    free_device = torch.cuda.mem_get_info(device)[0]
+    if free_device < MIN_DEVICE_FREE:
+        text = f"{group_label(group)}: nothing run: {free_device >> 20} MiB free on the device"
+    else:
+        tokens = sparse_mqa_tokens(view, group)
+        before = torch.cuda.memory_stats(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for count in tokens:
+                sparse_mqa(view, group, count)
+        torch.cuda.synchronize(device)
+        after = torch.cuda.memory_stats(device)
+        grown = {key: after.get(key, 0) - before.get(key, 0)
+                 for key in ("reserved_bytes.large_pool.current", "segment.large_pool.current")}
+        text = (f"{group_label(group)}: {len(tokens)} batches of {tokens[0]}..{tokens[-1]} tokens through "
+                f"forward_mqa in {time.perf_counter() - t0:.2f} s: large pool "
+                f"+{grown['reserved_bytes.large_pool.current'] >> 20} MiB "
+                f"({grown['segment.large_pool.current']} segments new)")
+    details.setdefault("sparse_mqa", []).append(text)
+    return [text]
 
 
 def reserve(device: str, blocks: int, size: int = BLOCK) -> None:
@@ -129,5 +233,5 @@ def _reserve(view, details: dict) -> list:
                          f"{new['large']} large segments new")
         last = small_pool(torch.cuda.memory_stats(device))
         text = f"{'; '.join(parts)}; small pool {first[1]:.0f} -> {last[1]:.0f} MiB cached free"
-    details["summary"] = text
+    details["pools"] = text
     return [text]

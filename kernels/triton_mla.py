@@ -43,8 +43,8 @@ import functools
 import time
 
 from kwarm_ext.families import Plan, Step
-from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, group_id_of,
-                                                group_layer, groups_of, vllm_config)
+from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, dataclass_instance,
+                                                group_id_of, group_layer, groups_of, vllm_config)
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
@@ -147,26 +147,14 @@ def decode(target: Target, classes: tuple, seq_len: int) -> None:
     q_pe = torch.zeros(1, target.heads, impl.qk_rope_head_dim, dtype=target.dtype, device=device)
     outer, inner = classes
     one = torch.ones(1, dtype=torch.int32, device=device)
-    metadata = _instance(outer, decode=_instance(inner, block_table=target.table(1),
-                                                  seq_lens=one * seq_len, dcp_tot_seq_lens=None),
-                         num_reqs=1, max_query_len=1, max_seq_len=seq_len, num_actual_tokens=1,
-                         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
-                         slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
-                         num_decodes=1, num_decode_tokens=1, num_prefills=0, prefill=None, causal=True)
+    inner_metadata = dataclass_instance(inner, block_table=target.table(1), seq_lens=one * seq_len,
+                                        dcp_tot_seq_lens=None)
+    metadata = dataclass_instance(outer, decode=inner_metadata, num_reqs=1, max_query_len=1, max_seq_len=seq_len,
+                                  num_actual_tokens=1,
+                                  query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                                  slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+                                  num_decodes=1, num_decode_tokens=1, num_prefills=0, prefill=None, causal=True)
     impl.forward_mqa((q_nope, q_pe), target.kv_cache, metadata, target.layer)
-
-
-def _instance(cls, **values):
-    """`cls` (a dataclass) from `values`; a required field `values` does not name gets None."""
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        if not field.init:
-            continue
-        if field.name in values:
-            kwargs[field.name] = values[field.name]
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            kwargs[field.name] = None
-    return cls(**kwargs)
 
 
 def context_lengths(max_model_len: int) -> list:

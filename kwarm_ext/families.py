@@ -137,8 +137,9 @@ FAMILIES = {
                "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA",
                "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
-               "torch's CUDA caching allocator, after CUDA-graph capture: 1 MiB small-pool blocks "
-               "allocated and freed, so that the first request's allocations find whole free blocks",
+               "torch's CUDA caching allocator, after CUDA-graph capture: blocks allocated and freed on the "
+               "model's and vLLM's aux stream, and FLASH_ATTN_MLA_SPARSE's forward_mqa at each one-request "
+               "decode size (FlashAttention 3's scratch), so that the first request's allocations find them",
                "none (0.20-0.33)", after_capture=True),
     )
 }

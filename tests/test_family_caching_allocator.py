@@ -160,3 +160,85 @@ def test_vllms_aux_stream_gets_its_own_reserve_once_created(gpu_allocator, kwarm
     assert step["variants"] == ["model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; "
                                 "aux stream 4 x 1 MiB + 2 x 9 MiB: 2 small, 1 large segments new; "
                                 "small pool 11 -> 47 MiB cached free"]
+
+
+# -- FLASH_ATTN_MLA_SPARSE's sparse MQA scratch ----------------------------------------------
+
+SPARSE_MQA = """
+import json, sys, types
+import torch
+
+# FlashAttention 3 cannot exist on this machine: vllm.vllm_flash_attn needs its CUDA extension.
+# A recorder takes its place, and only its place; the rest is vLLM's own code.
+calls = []
+def flash_attn_varlen_func(**kwargs):
+    calls.append({k: (list(v.shape) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+    calls[-1]["pages"] = sorted(set(kwargs["block_table"].flatten().tolist()))
+    calls[-1]["used"] = sorted(set(kwargs["seqused_k"].tolist()))
+    return torch.zeros(kwargs["q"].shape[0], kwargs["q"].shape[1], kwargs["q_v"].shape[-1])
+fa = types.ModuleType("vllm.vllm_flash_attn")
+fa.flash_attn_varlen_func = flash_attn_varlen_func
+fa.get_scheduler_metadata = lambda *a, **k: None
+fa.flash_attn_supports_fp8 = fa.is_fa_version_supported = lambda *a, **k: True
+fa.fa_version_unsupported_reason = lambda *a, **k: None
+fa.flash_attn_interface = fa
+sys.modules["vllm.vllm_flash_attn"] = sys.modules["vllm.vllm_flash_attn.flash_attn_interface"] = fa
+
+import vllm.v1.attention.backends.mla.flashattn_mla_sparse as backend
+from kwarm_ext.kernels import caching_allocator as ca
+
+NS = types.SimpleNamespace
+H, RANK, ROPE, TOPK, BLOCK = 128, 512, 64, 128, 64
+impl = object.__new__(backend.FlashAttnMLASparseImpl)
+buffer = torch.full((12, TOPK), 7, dtype=torch.int32)  # rows: max_num_batched_tokens; 7: stale indices
+impl.__dict__.update(num_heads=H, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, head_size=RANK + ROPE,
+                     scale=(RANK + ROPE) ** -0.5, dcp_world_size=1, index_group=None,
+                     cu_seqlens_q_buffer=torch.arange(13, dtype=torch.int32))
+impl.topk_indices_buffer = buffer  # 0.33: a property of SharedTopkIndicesBuffer
+kv = torch.randn(4, BLOCK, RANK + ROPE, dtype=torch.bfloat16)
+kv_before = kv.clone()
+layer = NS(impl=impl, kv_cache=kv, layer_name="model.layers.0.self_attn.attn")
+builder = NS(reorder_batch_threshold=json.loads(sys.argv[1]), metadata_cls=backend.FlashAttnMLASparseMetadata,
+             kv_cache_spec=NS(block_size=BLOCK))
+group = NS(backend=backend.FlashAttnMLASparseBackend, layer_names=[layer.layer_name], kv_cache_group_id=0,
+           metadata_builders=[builder])
+rows = torch.arange(32, dtype=torch.int32).reshape(2, 16)
+runner = NS(attn_groups=[[group]], block_tables=NS(input_block_tables=[rows]))
+view = NS(runner=runner, forward_context={layer.layer_name: layer}, device="cpu",
+          worker=NS(vllm_config=NS(model_config=NS(dtype=torch.bfloat16))))
+
+tokens = ca.sparse_mqa_tokens(view, group)
+for count in tokens:
+    ca.sparse_mqa(view, group, count)
+print(json.dumps({"tokens": tokens, "calls": calls, "kv_untouched": bool(torch.equal(kv, kv_before)),
+                  "buffer": sorted(set(buffer[:max(tokens)].flatten().tolist())),
+                  "steps": [s.name for s in ca.plan(view, False).steps]}))
+"""
+
+
+@pytest.mark.parametrize("release", ["0.28.0", "0.33.0"])
+@pytest.mark.parametrize("threshold", [8, 256])
+def test_sparse_mqa_runs_forward_mqa_as_a_request_of_each_decode_size(release, threshold):
+    """vLLM's own FlashAttnMLASparseImpl.forward_mqa (the 0.28 and 0.33 call shapes) takes the
+    batch the step builds, converts its -1 top-k indices with vLLM's Triton kernel (interpreted)
+    and calls FlashAttention 3 as a one-request batch of T new tokens does: T one-token queries
+    over the top-k width, every page -1 (no KV entry read), for each T a decode can have, largest
+    first (the allocator keeps the largest scratch), capped by the top-k buffer's rows."""
+    from conftest import cpu_triton_env, run_py
+
+    proc = run_py(SPARSE_MQA.replace("json.loads(sys.argv[1])", str(threshold)), env=cpu_triton_env(),
+                  release=release, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = list(range(min(threshold, 12), 0, -1))
+    assert out["tokens"] == expected
+    assert [call["q"] for call in out["calls"]] == [[t, 128, 64] for t in expected]
+    assert [call["q_v"] for call in out["calls"]] == [[t, 128, 512] for t in expected]
+    assert [call["cu_seqlens_q"] for call in out["calls"]] == [[t + 1] for t in expected]
+    for t, call in zip(expected, out["calls"]):
+        assert call["max_seqlen_q"] == 1 and call["max_seqlen_k"] == 128 and call["causal"] is True
+        assert call["block_table"] == [t, 128] and call["pages"] == [-1] and call["used"] == [0], call
+        assert call["fa_version"] == 3
+    assert out["buffer"] == [-1], "the batch's top-k rows hold -1, not stale indices"
+    assert out["kv_untouched"]
+    assert out["steps"] == ["sparse MQA scratch, KV-cache group 0", "small and large pools"]

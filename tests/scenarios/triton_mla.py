@@ -71,9 +71,9 @@ def production(shape, layer, tables, kernels, classes):
         for n in (1, 2, 5, 16):
             for longest in sorted(x for x in lengths if 1 <= x <= MAXLEN):
                 seq_lens = torch.tensor([max(1, longest - i) for i in range(n)], dtype=torch.int32)
-                decode = fam._instance(inner, block_table=tables[0].get_device_tensor(n), seq_lens=seq_lens,
+                decode = fam.dataclass_instance(inner, block_table=tables[0].get_device_tensor(n), seq_lens=seq_lens,
                                        dcp_tot_seq_lens=None)
-                metadata = fam._instance(outer, decode=decode, num_reqs=n, max_query_len=1, max_seq_len=longest,
+                metadata = fam.dataclass_instance(outer, decode=decode, num_reqs=n, max_query_len=1, max_seq_len=longest,
                                          num_actual_tokens=n, num_decodes=n, num_decode_tokens=n, num_prefills=0,
                                          query_start_loc=torch.arange(n + 1, dtype=torch.int32),
                                          slot_mapping=torch.full((n,), -1, dtype=torch.int64), prefill=None,
