@@ -78,7 +78,9 @@ def test_sdist_builds_and_carries_what_the_wheel_is_built_from(tmp_path):
     or from a wheel or sdist built from it; both must build, with the same metadata."""
     import tarfile
 
-    proc = subprocess.run([sys.executable, "-c", "from setuptools import build_meta as b; import sys; "
+    # -P: the clone's folder is not on sys.path, as in pip's build hooks: its kernels/ would shadow
+    # the `kernels` package transformers 5.25+ installs, whose egg_info writer setuptools loads.
+    proc = subprocess.run([sys.executable, "-P", "-c", "from setuptools import build_meta as b; import sys; "
                            f"print(b.build_sdist({str(tmp_path)!r}))"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     sdist = tmp_path / proc.stdout.strip().splitlines()[-1]
