@@ -1,6 +1,9 @@
 """Is a workload slower right after the GPU and CPU sat idle? Each workload first, then twice
 again, after 0, 5 and 20 s of idle (bench/README.md, "idle_probe.py"). torch only."""
-import json, subprocess, sys, time
+import json
+import subprocess
+import time
+
 import torch
 
 dev = "cuda"
