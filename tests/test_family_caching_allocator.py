@@ -210,9 +210,27 @@ view = NS(runner=runner, forward_context={layer.layer_name: layer}, device="cpu"
 tokens = ca.sparse_mqa_tokens(view, group)
 for count in tokens:
     ca.sparse_mqa(view, group, count)
-print(json.dumps({"tokens": tokens, "calls": calls, "kv_untouched": bool(torch.equal(kv, kv_before)),
-                  "buffer": sorted(set(buffer[:max(tokens)].flatten().tolist())),
-                  "steps": [s.name for s in ca.plan(view, False).steps]}))
+out = {"tokens": tokens, "calls": calls, "kv_untouched": bool(torch.equal(kv, kv_before)),
+       "buffer": sorted(set(buffer[:max(tokens)].flatten().tolist())),
+       "steps": [s.name for s in ca.plan(view, False).steps]}
+
+# The step itself, with the CUDA allocator's statistics stood in for (no GPU driver here):
+# FlashAttention 3's scratch added one 1792 MiB large-pool segment; then with 512 MiB free.
+calls.clear()
+stats = iter([{"reserved_bytes.large_pool.current": 100 << 20, "segment.large_pool.current": 3},
+              {"reserved_bytes.large_pool.current": 1892 << 20, "segment.large_pool.current": 4}])
+free = [80 << 30]
+torch.cuda.memory_stats = lambda device: next(stats)
+torch.cuda.mem_get_info = lambda device: (free[0], 141 << 30)
+torch.cuda.synchronize = lambda device=None: None
+details = {}
+out["ran"] = ca._sparse_mqa_scratch(view, group, details)
+out["ran_calls"] = len(calls)
+free[0] = 512 << 20
+out["low"] = ca._sparse_mqa_scratch(view, group, details)
+details["pools"] = "pools text"
+out["summary"] = ca.summary(details)
+print(json.dumps(out))
 """
 
 
@@ -242,3 +260,9 @@ def test_sparse_mqa_runs_forward_mqa_as_a_request_of_each_decode_size(release, t
     assert out["buffer"] == [-1], "the batch's top-k rows hold -1, not stale indices"
     assert out["kv_untouched"]
     assert out["steps"] == ["sparse MQA scratch, KV-cache group 0", "small and large pools"]
+    assert out["ran_calls"] == len(expected)
+    [ran] = out["ran"]
+    assert ran.startswith(f"KV-cache group 0: {len(expected)} batches of {expected[0]}..1 tokens through forward_mqa in ")
+    assert ran.endswith(" s: large pool +1792 MiB (1 segments new)"), ran
+    assert out["low"] == ["KV-cache group 0: nothing run: 512 MiB free on the device"]
+    assert out["summary"] == {"summary": "; ".join([ran, *out["low"], "pools text"])}
