@@ -786,10 +786,45 @@ def profile_summary(stats: dict, n: int = PROFILE_ROWS) -> dict:
             "top_cumtime": profile_rows(stats, "cumtime", n)}
 
 
+def profile_diff(first: dict, repeat: dict, n: int = PROFILE_PRINTED) -> dict:
+    """What a first request spent that its repeat did not, from both requests' raw stats
+    (``pstats.Stats(...).stats``): the `n` functions with the largest tottime and cumtime
+    differences, ``[{func, ncalls: [first, repeat], tottime, cumtime}]`` (seconds, rounded to 4;
+    a function only one of them called counts 0 in the other)."""
+    empty = (0, 0, 0.0, 0.0, {})
+    rows = []
+    for func in set(first) | set(repeat):
+        a, b = first.get(func, empty), repeat.get(func, empty)
+        rows.append({"func": profile_func(func), "ncalls": [int(a[0]), int(b[0])],
+                     "tottime": round(a[2] - b[2], 4), "cumtime": round(a[3] - b[3], 4)})
+    return {key: sorted(rows, key=lambda r: (-r[key], r["func"]))[:n] for key in ("tottime", "cumtime")}
+
+
+def profile_diffs(requests: list, pairs: list) -> list:
+    """``[{first, repeat, tottime, cumtime}]``: :func:`profile_diff` of each (first, repeat) pair
+    whose requests were both profiled and whose raw stats are still on disk."""
+    by_i = {r["i"]: r for r in requests}
+    out = []
+    for first, repeat in pairs:
+        files = [by_i.get(i, {}).get("profile", {}).get("file") for i in (first, repeat)]
+        if all(f and os.path.exists(f) for f in files):
+            diff = profile_diff(*(pstats.Stats(f).stats for f in files))
+            out.append({"first": first, "repeat": repeat, **diff})
+    return out
+
+
 def format_profile(rows: list[dict], n: int = PROFILE_PRINTED) -> str:
     """The first `n` rows as text, pstats-like: ncalls, tottime, cumtime, function."""
     lines = [f"  {'ncalls':>9} {'tottime':>9} {'cumtime':>9}  function"]
     lines += [f"  {r['ncalls']:>9} {r['tottime']:>9.4f} {r['cumtime']:>9.4f}  {r['func']}" for r in rows[:n]]
+    return "\n".join(lines)
+
+
+def format_diff(rows: list[dict]) -> str:
+    """:func:`profile_diff` rows as text: calls (first/repeat), tottime and cumtime differences."""
+    lines = [f"  {'ncalls':>11} {'d tottime':>10} {'d cumtime':>10}  function"]
+    lines += [f"  {'/'.join(map(str, r['ncalls'])):>11} {r['tottime']:>10.4f} {r['cumtime']:>10.4f}  {r['func']}"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -1128,6 +1163,11 @@ def main(argv=None) -> int:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
                       f"{format_profile(profile['top_cumtime'])}", flush=True)
+                for diff in profile_diffs(requests, table.pairs(result)):
+                    if diff["repeat"] == i:
+                        result.setdefault("profile_diffs", []).append(diff)
+                        print(f"  profile, request {diff['first']} minus its repeat {i}, by tottime:\n"
+                              + format_diff(diff["tottime"]), flush=True)
             write()
         if args.deepgemm_sweep:
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])

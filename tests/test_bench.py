@@ -637,6 +637,46 @@ def test_profile_rows_from_a_real_profile(tmp_path):
     assert engine_bench.profile_path(tmp_path / "run.json", 3) == tmp_path / "run.req3.prof"
 
 
+def _first_time_only():
+    total = 0
+    for i in range(300_000):  # its own time (tottime), not a built-in's
+        total += i
+    return total
+
+
+def test_profile_diff_of_a_first_request_and_its_repeat(tmp_path):
+    """Two real profiles: the first request also runs a function its repeat does not, and
+    calls _leaf twice as often; the diff puts that function first, names both call counts,
+    and profile_diffs takes only pairs whose raw stats both exist."""
+    files = []
+    for i, first in enumerate((True, False)):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _outer()
+        if first:
+            _outer()
+            _first_time_only()
+        profiler.disable()
+        files.append(tmp_path / f"run.req{i}.prof")
+        pstats.Stats(profiler).dump_stats(str(files[-1]))
+    a, b = (pstats.Stats(str(f)).stats for f in files)
+    diff = engine_bench.profile_diff(a, b, n=3)
+    top = diff["tottime"][0]
+    assert re.fullmatch(r"tests/test_bench\.py:\d+\(_first_time_only\)", top["func"]), diff
+    assert top["ncalls"] == [1, 0] and top["tottime"] > 0 and top["cumtime"] >= top["tottime"]
+    leaf = engine_bench.profile_diff(a, b, n=50)["cumtime"]
+    assert [r["ncalls"] for r in leaf if r["func"].endswith("(_leaf)")] == [[6, 3]]
+    assert len(diff["cumtime"]) == 3
+    text = engine_bench.format_diff(diff["tottime"])
+    assert text.splitlines()[1].split()[0] == "1/0" and len(text.splitlines()) == 4
+
+    requests = [{"i": 0, "profile": {"file": str(files[0])}}, {"i": 1, "profile": {"file": str(files[1])}},
+                {"i": 2, "profile": {"file": str(tmp_path / "gone.prof")}}, {"i": 3}]
+    diffs = engine_bench.profile_diffs(requests, [(0, 1), (2, 3)])
+    assert [(d["first"], d["repeat"]) for d in diffs] == [(0, 1)]
+    assert diffs[0]["tottime"][0]["func"] == top["func"]
+
+
 # ---------------------------------------------------------------------- EngineLock
 
 HOLDER = """
