@@ -76,6 +76,8 @@ class Request:
     repeat_of: int | None = None
     seed: int = 0
     mixed: tuple[int, int] | None = None
+    control_of: int | None = None  # runs request `control_of`'s shape again, after the others
+    pause_s: float = 0.0  # idle before it, outside its timing (as request 0 waits after init)
 
 
 def prompt_ids(batch: int, length: int, seed: int) -> list[dict]:
@@ -134,6 +136,11 @@ def build_scenario(name: str) -> list[Request]:
             i = len(out)
             out.append(dataclasses.replace(first, seed=i + 1))
             out.append(dataclasses.replace(first, label=first.label + " (repeat)", repeat_of=i, seed=i + 2))
+        # the control: request 0's shape once more, last, after a pause. As slow as request 0
+        # against its repeat, the excess comes from running after other work, which no warmup
+        # removes; as fast as the repeat, it is a first-time cost.
+        out.append(dataclasses.replace(firsts[0], label=firsts[0].label + " (control: last, after 2 s)",
+                                       seed=len(out) + 2, control_of=0, pause_s=CONTROL_PAUSE_S))
         return out
     if name == "mla-splits":
         # TRITON_MLA's decode splits each KV sequence into the next power of two of
@@ -153,6 +160,7 @@ def build_scenario(name: str) -> list[Request]:
 
 
 SCENARIOS = ("default", "smoke", "pairs", "mla-splits")
+CONTROL_PAUSE_S = 2.0
 
 
 # ------------------------------------------------------------------------ arguments
@@ -1083,6 +1091,7 @@ def main(argv=None) -> int:
         result["excess_pairs"] = table.excess_pairs(result)
         result["excess_s"] = table.excess_s(result)
         result["first_steady_counters"] = table.first_steady_counters(result)
+        result["control_ratio"] = table.control_ratio(result)
         result["wall_s"] = round(time.time() - started, 1)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(result, indent=1, default=str))
@@ -1114,6 +1123,8 @@ def main(argv=None) -> int:
         aux = getattr(sys.modules.get("vllm.utils.torch_utils"), "_aux_stream", None)
         result["aux_stream"] = getattr(aux, "cuda_stream", None)
         for i, req in enumerate(scenario):
+            if req.pause_s:
+                time.sleep(req.pause_s)
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])
             dg0 = deepgemm_entries(dg_dir)
             n0 = len(counter.events)
@@ -1139,6 +1150,7 @@ def main(argv=None) -> int:
             events = counter.events[n0:]
             requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
                              "max_tokens": req.max_tokens, "repeat_of": req.repeat_of,
+                             **({"control_of": req.control_of} if req.control_of is not None else {}),
                              "mixed": list(req.mixed) if req.mixed else None, "s": round(s, 4),
                              "jit": len(events), "kernels": [{"name": e["name"], "key": e["key"]} for e in events],
                              "deepgemm_new": len(dg_new := deepgemm_entries(dg_dir) - dg0),
@@ -1184,7 +1196,8 @@ def main(argv=None) -> int:
     print(f"engine_bench: wrote {out}")
     print(f"engine_bench: request JIT {result['total_jit']}, "
           f"excess {table.fmt_ms(result['excess_s'])} ms, "
-          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}"
+          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}, "
+          f"control/steady {table.fmt_ratio(result['control_ratio'])}"
           + "".join(f", {name} {ratio:.3f}" for name, ratio in result["first_steady_counters"].items()))
     if cache["fresh_root"]:
         print(f"engine_bench: warm rerun: VLLM_CACHE_ROOT={cache['vllm_cache_root']} "

@@ -90,6 +90,17 @@ def first_steady_ratio(run: dict) -> float | None:
     return pair_ratio(run, 0)
 
 
+def control_ratio(run: dict) -> float | None:
+    """The control request (request 0's shape, run last: ``control_of`` 0) / request 0's
+    repeat; None without one. Near first/steady, request 0's excess is not a first-time cost."""
+    for request in run["requests"]:
+        if request.get("control_of") == 0:
+            for _, repeat in with_repeats(run, 0):
+                if repeat["s"] > 0:
+                    return request["s"] / repeat["s"]
+    return None
+
+
 def first_steady_counters(run: dict) -> dict[str, float]:
     """Request 0 / its repeat in the thread's hardware counters (engine_bench's ``host``),
     for those this host exposed: {"cycles": r, "instructions": r}."""

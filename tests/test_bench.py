@@ -514,9 +514,13 @@ def test_tiny_deepseek_v3_is_dense_mla_that_gpu_run_puts_on_triton_mla():
 
 def test_pairs_scenario():
     scenario = engine_bench.build_scenario("pairs")
-    assert len(scenario) == 16
-    assert [r.repeat_of for r in scenario] == [None if i % 2 == 0 else i - 1 for i in range(16)]
-    firsts = [(r.batch, r.length, r.max_tokens, r.mixed) for r in scenario[::2]]
+    assert len(scenario) == 17
+    assert [r.repeat_of for r in scenario] == [None if i % 2 == 0 else i - 1 for i in range(16)] + [None]
+    control = scenario[16]  # request 0's shape again, last, after a pause; not a pair
+    assert (control.batch, control.length, control.max_tokens, control.mixed) == (1, 200, 16, None)
+    assert control.control_of == 0 and control.pause_s == engine_bench.CONTROL_PAUSE_S > 0
+    assert [r.control_of for r in scenario[:16]] == [None] * 16 and {r.pause_s for r in scenario[:16]} == {0.0}
+    firsts = [(r.batch, r.length, r.max_tokens, r.mixed) for r in scenario[:16:2]]
     assert firsts == [(1, 200, 16, None), (1, 37, 16, None), (1, 1, 16, None), (4, 333, 16, None),
                       (1, 2500, 16, None), (8, 8, 64, None), (3, 5, 64, None), (2, 8, 64, (2, 300))]
     default_mixed = [r for r in engine_bench.build_scenario("default") if r.mixed][0]
@@ -525,9 +529,9 @@ def test_pairs_scenario():
         a, b = scenario[2 * k], scenario[2 * k + 1]
         assert (a.batch, a.length, a.max_tokens, a.mixed) == (b.batch, b.length, b.max_tokens, b.mixed)
         assert b.label == a.label + " (repeat)"
-    assert len({r.seed for r in scenario}) == 16  # each request its own token ids
+    assert len({r.seed for r in scenario}) == 17  # each request its own token ids
     prompts = [engine_bench.prompt_ids(r.batch, r.length, r.seed) for r in scenario]
-    assert all(prompts[i] != prompts[j] for i in range(16) for j in range(i))
+    assert all(prompts[i] != prompts[j] for i in range(17) for j in range(i))
     for r, ps in zip(scenario, prompts):
         assert all(len(p["prompt_token_ids"]) == r.length for p in ps)
         assert all(10 <= t < 4096 for p in ps for t in p["prompt_token_ids"])
@@ -1030,8 +1034,12 @@ def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
-    assert res["scenario"] == "pairs" and len(res["requests"]) == 16
-    assert [r["jit"] for r in res["requests"]] == [1, 0] * 8  # every first compiles, no repeat does
+    assert res["scenario"] == "pairs" and len(res["requests"]) == 17
+    assert [r["jit"] for r in res["requests"]] == [1, 0] * 8 + [0]  # every first compiles, no repeat does
+    control = res["requests"][16]
+    assert control["control_of"] == 0 and control["repeat_of"] is None and control["len"] == 200
+    assert res["control_ratio"] == pytest.approx(control["s"] / res["requests"][1]["s"])
+    assert f"control/steady {table.fmt_ratio(res['control_ratio'])}" in proc.stdout
     assert [r["deepgemm_new"] for r in res["requests"]][6:8] == [1, 0]  # 4x333
     assert [r["len"] for r in res["requests"]][8:10] == [2500, 2500]
     assert [(p["first"], p["repeat"]) for p in res["excess_pairs"]] == [(2 * k, 2 * k + 1) for k in range(8)]
