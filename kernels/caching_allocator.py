@@ -55,10 +55,13 @@ How:
     all -1 (no KV entry read; the indexer rewrites ``topk_indices_buffer`` every forward), its
     block-table row is the runner's own, nothing writes the KV cache.
 
-Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture.
+Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture,
+and no warmup of 0.28-0.33 runs FLASH_ATTN_MLA_SPARSE's forward_mqa outside capture at the
+decode threshold (the V2 runner's warmup_kernels, 0.29+, runs 16 x 2 tokens).
 
 Remove when:
-    vLLM stops emptying the allocator's cache after capture, or warms the prefill path after it.
+    vLLM stops emptying the allocator's cache after capture, or warms the prefill path after it
+    (the pools), and runs its sparse MQA at the decode threshold after capture (the scratch).
 """
 from __future__ import annotations
 
