@@ -1175,11 +1175,10 @@ def main(argv=None) -> int:
                 print(f"  profile: {profile['total_s']:.3f} s total, raw stats {profile['file']}; "
                       f"top {PROFILE_PRINTED} by cumtime:\n"
                       f"{format_profile(profile['top_cumtime'])}", flush=True)
-                for diff in profile_diffs(requests, table.pairs(result)):
-                    if diff["repeat"] == i:
-                        result.setdefault("profile_diffs", []).append(diff)
-                        print(f"  profile, request {diff['first']} minus its repeat {i}, by tottime:\n"
-                              + format_diff(diff["tottime"]), flush=True)
+                for diff in profile_diffs(requests, [(req.repeat_of, i)] if req.repeat_of is not None else []):
+                    result.setdefault("profile_diffs", []).append(diff)
+                    print(f"  profile, request {diff['first']} minus its repeat {i}, by tottime:\n"
+                          + format_diff(diff["tottime"]), flush=True)
             write()
         if args.deepgemm_sweep:
             dg_dir = deepgemm_dir(cache["vllm_cache_root"])

@@ -129,9 +129,9 @@ def sparse_mqa_tokens(view, group) -> list:
     return list(range(min(threshold, buffer.shape[0]), 0, -1))
 
 
-def sparse_mqa(view, group, tokens: int) -> None:
-    """One batch of one request with `tokens` new tokens through the group's first layer's
-    ``forward_mqa``, its top-k indices all -1."""
+def sparse_mqa(view, group, counts: list) -> None:
+    """For each of `counts`, one batch of one request with that many new tokens through the
+    group's first layer's ``forward_mqa``, its top-k indices all -1."""
     import torch
 
     layer = group_layer(view, group)
@@ -140,19 +140,20 @@ def sparse_mqa(view, group, tokens: int) -> None:
     dtype = getattr(getattr(vllm_config(view), "model_config", None), "dtype", None) or kv_cache.dtype
     builder = metadata_builder(group)
     block_size = getattr(getattr(builder, "kv_cache_spec", None), "block_size", None) or kv_cache.shape[1]
-    impl.topk_indices_buffer[:tokens].fill_(-1)
-    q_nope = torch.zeros(tokens, impl.num_heads, impl.kv_lora_rank, dtype=dtype, device=device)
-    q_rope = torch.zeros(tokens, impl.num_heads, impl.qk_rope_head_dim, dtype=dtype, device=device)
-    metadata = dataclass_instance(
-        builder.metadata_cls, num_reqs=1, max_query_len=tokens, max_seq_len=tokens, num_actual_tokens=tokens,
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
-        block_table=block_table(view, group_id_of(group, group_label(group)), 1),
-        req_id_per_token=torch.zeros(tokens, dtype=torch.int32, device=device),
-        seq_lens=torch.full((1,), tokens, dtype=torch.int32, device=device), block_size=block_size,
-        topk_tokens=impl.topk_indices_buffer.shape[1], num_decodes=0, num_prefills=1, num_decode_tokens=0,
-        prefill=None, causal=True)
-    impl.forward_mqa((q_nope, q_rope), kv_cache, metadata, layer)
+    table = block_table(view, group_id_of(group, group_label(group)), 1)
+    for tokens in counts:
+        impl.topk_indices_buffer[:tokens].fill_(-1)
+        q_nope = torch.zeros(tokens, impl.num_heads, impl.kv_lora_rank, dtype=dtype, device=device)
+        q_rope = torch.zeros(tokens, impl.num_heads, impl.qk_rope_head_dim, dtype=dtype, device=device)
+        metadata = dataclass_instance(
+            builder.metadata_cls, num_reqs=1, max_query_len=tokens, max_seq_len=tokens, num_actual_tokens=tokens,
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device), block_table=table,
+            req_id_per_token=torch.zeros(tokens, dtype=torch.int32, device=device),
+            seq_lens=torch.full((1,), tokens, dtype=torch.int32, device=device), block_size=block_size,
+            topk_tokens=impl.topk_indices_buffer.shape[1], num_decodes=0, num_prefills=1, num_decode_tokens=0,
+            prefill=None, causal=True)
+        impl.forward_mqa((q_nope, q_rope), kv_cache, metadata, layer)
 
 
 def _sparse_mqa_scratch(view, group, details: dict) -> list:
@@ -167,8 +168,7 @@ def _sparse_mqa_scratch(view, group, details: dict) -> list:
         before = torch.cuda.memory_stats(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for count in tokens:
-                sparse_mqa(view, group, count)
+            sparse_mqa(view, group, tokens)
         torch.cuda.synchronize(device)
         after = torch.cuda.memory_stats(device)
         grown = {key: after.get(key, 0) - before.get(key, 0)

@@ -1030,7 +1030,7 @@ def test_main_with_a_fake_engine(tmp_path, kwarm):
 def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
     out = tmp_path / "pairs.json"
     proc = subprocess.run([sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
-                           "--scenario", "pairs", "--out", str(out)], env=fake_engine_env(tmp_path),
+                           "--scenario", "pairs", "--profile", "0,1", "--out", str(out)], env=fake_engine_env(tmp_path),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
@@ -1040,6 +1040,9 @@ def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
     assert control["control_of"] == 0 and control["repeat_of"] is None and control["len"] == 200
     assert res["control_ratio"] == pytest.approx(control["s"] / res["requests"][1]["s"])
     assert f"control/steady {table.fmt_ratio(res['control_ratio'])}" in proc.stdout
+    # both requests of the first pair profiled: their diff, once, in the result and the log
+    assert [(d["first"], d["repeat"]) for d in res["profile_diffs"]] == [(0, 1)]
+    assert proc.stdout.count("profile, request 0 minus its repeat 1, by tottime:") == 1
     assert [r["deepgemm_new"] for r in res["requests"]][6:8] == [1, 0]  # 4x333
     assert [r["len"] for r in res["requests"]][8:10] == [2500, 2500]
     assert [(p["first"], p["repeat"]) for p in res["excess_pairs"]] == [(2 * k, 2 * k + 1) for k in range(8)]

@@ -208,8 +208,7 @@ view = NS(runner=runner, forward_context={layer.layer_name: layer}, device="cpu"
           worker=NS(vllm_config=NS(model_config=NS(dtype=torch.bfloat16))))
 
 tokens = ca.sparse_mqa_tokens(view, group)
-for count in tokens:
-    ca.sparse_mqa(view, group, count)
+ca.sparse_mqa(view, group, tokens)
 out = {"tokens": tokens, "calls": calls, "kv_untouched": bool(torch.equal(kv, kv_before)),
        "buffer": sorted(set(buffer[:max(tokens)].flatten().tolist())),
        "steps": [s.name for s in ca.plan(view, False).steps]}
