@@ -90,6 +90,19 @@ def first_steady_ratio(run: dict) -> float | None:
     return pair_ratio(run, 0)
 
 
+def first_steady_profiled(run: dict) -> bool:
+    """Whether request 0 or its repeat ran under a profiler or the allocator's recording
+    (``profiled``): the headline ratio then includes that overhead, and request 0's share of
+    it (the recording's snapshot, 3-5 ms at published sizes) only in the numerator."""
+    return any(r.get("profiled") for pair in with_repeats(run, 0)[:1] for r in pair)
+
+
+def first_steady_cell(run: dict) -> str:
+    """first/steady, marked "(profiled)" when :func:`first_steady_profiled`."""
+    cell = fmt_ratio(first_steady_ratio(run))
+    return cell + " (profiled)" if first_steady_profiled(run) and cell != "—" else cell
+
+
 def control_ratio(run: dict) -> float | None:
     """The control request (request 0's shape, run last: ``control_of`` 0) / request 0's
     repeat; None without one. Near first/steady, request 0's excess is not a first-time cost."""
@@ -280,7 +293,7 @@ def render_table(runs: list[dict]) -> str:
         warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
         lines.append(f"| {run['versions']['vllm']} | {kwarm_mode(run)} | {run['cache']['label']} "
                      f"| {init_cell(run)} | {warm} | {request_cell(run)} | {total_jit(run)} "
-                     f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} |")
+                     f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} |")
     return "\n".join(lines)
 
 
@@ -311,7 +324,8 @@ def render_start_cost(runs: list[dict]) -> str:
     for run in runs:
         models.setdefault(run["model"], []).append(run)
     out = ["## Start cost and first-request excess", "",
-           "excess: the sum over (first, repeat) pairs of first s - repeat s.", ""]
+           "excess: the sum over (first, repeat) pairs of first s - repeat s; first/steady \"(profiled)\": "
+           "request 0 or its repeat ran under a profiler or the allocator's recording, whose overhead it includes.", ""]
     for model, group in models.items():
         several = len({run["scenario"] for run in group}) > 1
         out += [f"### Start cost: {model}", "",
@@ -323,7 +337,7 @@ def render_start_cost(runs: list[dict]) -> str:
                 name += " (cut short)"
             warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
             out.append(f"| {name} | {init_cell(run)} | {warm} | {top_families(run)} "
-                       f"| {fmt_ms(excess_s(run))} | {fmt_ratio(first_steady_ratio(run))} | {jit_cell(run)} |")
+                       f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} | {jit_cell(run)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -31,6 +31,15 @@ How:
     are fresh buffers and outputs are dropped: only the weights are read. Quantized layers
     are not warmed (their GEMMs are other libraries' kernels).
 
+    The MoE router's ``GateLinear`` is called through its own ``forward``: it picks its GEMM by
+    release, weight and token count (a CuTe DSL kernel for few tokens, a fp32-specialized one,
+    or ``torch.mm(x, W.T, out_dtype=float32)``, bf16 in, fp32 out), a cuBLAS problem that
+    ``quant_method.apply`` (bf16 out) never makes. Measured (vLLM 0.29.0, block-FP8 GLM-5
+    dimensions, cProfile of request 0 against its repeat): that one ``torch.mm`` cost 3.1 ms in
+    request 0 and 0.09 ms in its repeat. Its passes run the GEMMs instead of capturing them
+    (a CuTe DSL kernel may compile and load on its first call, which a capture would refuse);
+    the gate's GEMM is small (M x hidden x experts), so running costs microseconds of GPU each.
+
     MLA (``MLAAttention`` layers with their ``W_UK_T`` / ``W_UV`` absorbed weights), one target
     per shape: the query's up-projection ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into a
     head-major buffer and, where the layer pads no heads, also into a token-major one (0.33
@@ -39,20 +48,23 @@ How:
     reorder_batch_threshold`` decode tokens for dense MLA. Layers on ROCm's AITER BMMs are left
     to vLLM, which warms those itself.
 
-    Three passes, most useful first; the last two only while ``KWARM_BUDGET`` lasts
-    (kwarm_ext/budget.py): what is left is left to the requests, and the summary says so.
+    Three passes, most useful first; the first two always run, the last only while
+    ``KWARM_BUDGET`` lasts (kwarm_ext/budget.py): what is left is left to the requests, and the
+    summary says so.
 
     1. ``exact``: every count up to 64 and the counts this deployment stepped at in earlier
        runs (learned with ``KWARM_LEARN``, kept in its manifest): their first call then costs
-       what the second does. Always runs (DeepSeek-V3.2 dimensions: about 0.4 s);
+       what the second does (DeepSeek-V3.2 dimensions: about 0.4 s);
     2. ``grid``: a geometric ladder of counts 9% apart (``kernel_grid``), about 40 counts per
-       shape, which loads most kernels cuBLAS picks; spread first (:func:`spread`);
-    3. ``fill``: every 8th count between, spread first.
+       shape, which loads most kernels cuBLAS picks (DeepSeek-V3.2 dimensions: about 1 s);
+    3. ``fill``: every 8th count between, spread first (:func:`spread`).
 
     The budget counts from the start of kwarm's warmup, so the families before this one
-    (the compiles, which always run) spend it first: on a warm restart of the published-size
-    DeepSeek-V3.2 the whole warmup took 3.1 s with an unbudgeted grid, over issue 15's bound
-    of 10% of vLLM's own 29.6 s start (BENCHMARKS.md, "Start cost").
+    (the compiles, which always run) spend it first. The grid always runs because, left to the
+    budget, a cold start lost it: on vLLM 0.29.0 with the published-size DeepSeek-V3.2 the
+    compiles spent the whole 5.1 s budget, the grid's 907 problems were left to the requests,
+    and the first 200-, 1332- and 616-token steps paid 54, 37 and 33 ms more than their repeats;
+    on the warm restart of the same call, with the grid warmed (1.06 s), 7.5, 0.3 and 7.7 ms.
 
     On CUDA each pass is *captured* into a CUDA graph that is never replayed: cuBLAS makes its
     choice and the driver loads the kernel at capture, and the GPU computes nothing. Measured
@@ -106,6 +118,7 @@ NAME = "eager_gemm"
 KERNEL = "cuBLAS GEMMs"
 _LINEAR = ("vllm.model_executor.layers.linear:LinearBase",)
 _UNQUANTIZED = ("vllm.model_executor.layers.linear:UnquantizedLinearMethod",)
+_GATE = ("vllm.model_executor.layers.fused_moe.router.gate_linear:GateLinear",)
 _LM_HEAD = ("vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead",)
 _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod",)
 _MLA = ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",)
@@ -126,6 +139,7 @@ class Target:
     calls: int  # GEMM problems per token count
     prepare: object  # (buffers) -> warm(m): its inputs (outside any capture)
     inputs: tuple | None = None  # (elements, dtype, device) it views from the pass's shared buffer
+    captured: bool = True  # False: its GEMMs run even on CUDA (the router gate's own forward)
 
 
 def applies(view) -> str | None:
@@ -139,7 +153,7 @@ def applies(view) -> str | None:
 def plan(view, forced) -> list | Plan:
     """Steps: the heuristics cache, then three passes over every GEMM target, most useful
     first: ``exact`` (small and learned token counts), ``grid`` (the kernel grid) and ``fill``
-    (every 8th count between), the last two within KWARM_BUDGET. Details: what each pass
+    (every 8th count between), the last within KWARM_BUDGET. Details: what each pass
     warmed and left (:func:`describe`)."""
     model = model_of(view.runner)
     device_type = _device_type(view)
@@ -148,7 +162,7 @@ def plan(view, forced) -> list | Plan:
         return skips
     learned = learned_token_counts(view)
     passes = [("exact", lambda t: exact_counts(t.first, t.last, learned), False),
-              ("grid", lambda t: spread(kernel_grid(t.first, t.last)), True),
+              ("grid", lambda t: kernel_grid(t.first, t.last), False),
               ("fill", lambda t: fill_counts(t.first, t.last), True)]
     done = {id(t): set() for t in targets}
     steps, problems, details = list(skips), 0, {"learned": len(learned)}
@@ -186,10 +200,16 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
         elif hi < max(lo, 1):
             skips.append(Step(kind, KERNEL, skip="no token counts to warm"))
         else:
-            targets += [Target(kind, f"{name} {tuple(layer.weight.shape)}{' +bias' if bias is not None else ''}",
-                               max(lo, 1), hi, 1, _linear(layer, bias),
-                               (hi * layer.weight.shape[1], layer.weight.dtype, layer.weight.device))
-                        for name, layer, bias in layers]
+            gate = _resolve_or_none(_GATE) if kind == "linear" else None
+            for name, layer, bias in layers:
+                weight = layer.weight
+                own = gate is not None and isinstance(layer, gate)
+                # the gate gets the hidden states in the model's dtype, whatever its weight's (fp32 on some models)
+                dtype = (_activation_dtype(view) or weight.dtype) if own else weight.dtype
+                targets.append(Target(kind, f"{name} {tuple(weight.shape)}{' +bias' if bias is not None else ''}"
+                                      + (" router gate (its forward)" if own else ""),
+                                      max(lo, 1), hi, 1, _gate(layer, dtype) if own else _linear(layer, bias),
+                                      (hi * weight.shape[1], dtype, weight.device), captured=not own))
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
@@ -287,12 +307,24 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
 
         with torch.inference_mode():
             buffers = _shared_inputs(torch, [target for target, _ in work])
-            calls = [(target, target.prepare(buffers)) for target, _ in work]
-            order = _order([counts for _, counts in work], interleave=budgeted)
-            if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
-                warmed, left, mode = _warm(calls, order, budgeted) + ("warmed",)
-            else:
-                warmed, left, mode = _captured(calls, order, budgeted, torch, device_type)
+            captured = [(t, c) for t, c in work if t.captured]
+            ran = [(t, c) for t, c in work if not t.captured]
+            warmed = left = 0
+            modes = []
+            if captured:
+                calls = [(target, target.prepare(buffers)) for target, _ in captured]
+                order = _order([counts for _, counts in captured], interleave=budgeted)
+                if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
+                    warmed, left, mode = _warm(calls, order, budgeted) + ("warmed",)
+                else:
+                    warmed, left, mode = _captured(calls, order, budgeted, torch, device_type)
+                modes.append(mode)
+            if ran:
+                calls = [(target, target.prepare(buffers)) for target, _ in ran]
+                done, rest = _warm(calls, _order([counts for _, counts in ran], interleave=budgeted), budgeted)
+                warmed, left = warmed + done, left + rest
+                modes.append(f"{len(ran)} router gate{'s' if len(ran) > 1 else ''} run")
+        mode = "; ".join(modes)
         details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
                           "counts": max(len(c) for _, c in work)}
         return [f"{target.label}: {len(counts)} counts (M {min(counts)}..{max(counts)})" for target, counts in work] \
@@ -386,6 +418,36 @@ def _linear(layer, bias):
     return prepare
 
 
+def _gate(layer, dtype):
+    """prepare(buffers) as :func:`_linear`, the input in `dtype` (the hidden states'); warm(m)
+    calls the router gate's own ``forward``, whose GEMM (tier) vLLM picks by release, weight
+    and token count."""
+    def prepare(buffers):
+        weight = layer.weight
+        flat = buffers[(dtype, weight.device)]
+
+        def warm(m):
+            layer(flat[:m * weight.shape[1]].view(m, weight.shape[1]))
+
+        return warm
+
+    return prepare
+
+
+def _activation_dtype(view):
+    """The model's dtype (its hidden states'), from the runner's model config; None if unknown."""
+    dtype = getattr(getattr(view.runner, "model_config", None), "dtype", None)
+    return dtype if type(dtype).__name__ == "dtype" else None
+
+
+def _resolve_or_none(names: tuple):
+    """The class `names` resolves to in this release, or None where it has none."""
+    try:
+        return resolve(*names)
+    except Missing:
+        return None
+
+
 def _mla(layer, rows: int):
     """prepare(buffers): the query as the attention gets it, (B, N, nope + rope), and the latent
     output; warm(m): the up-projection BMM into a head-major buffer and, where the layer pads
@@ -471,7 +533,8 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
         if device_type is not None and weight.device.type != device_type:
             continue
         bias = None if getattr(layer, "skip_bias_add", False) else getattr(layer, "bias", None)
-        key = (tuple(weight.shape), tuple(weight.stride()), str(weight.dtype), str(weight.device), bias is not None)
+        key = (tuple(weight.shape), tuple(weight.stride()), str(weight.dtype), str(weight.device), bias is not None,
+               type(layer).forward)  # a layer with its own forward (the router gate) makes other GEMMs
         seen.setdefault(key, (name, layer, bias))
     return list(seen.values())
 

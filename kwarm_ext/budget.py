@@ -4,11 +4,11 @@ Why: some warmups buy less than they cost. cuBLAS's first call at a token count 
 warmed costs about 0.3 ms per weight shape, or 2-5 ms where it also loads a kernel
 (BENCHMARKS.md, "cuBLAS GEMMs"); covering every token count of a published-size model
 took 9-35 s of start. Work that removes a Triton or DeepGEMM compile (seconds of one
-request) always runs, and so do the token counts a deployment really steps at; work
-ordered by what it removes per second (``eager_gemm``'s kernel grid, then its fill of token
-counts between) runs until the budget is spent, and the summary line says what was left to
-the requests. The budget counts from the start of the warmup: the work that always runs
-spends it first.
+request) always runs, and so do the token counts a deployment really steps at and
+``eager_gemm``'s kernel grid (about 1 s at published sizes; it loads most kernels cuBLAS
+picks); its fill of the token counts between runs until the budget is spent, and the summary
+line says what was left to the requests. The budget counts from the start of the warmup: the
+work that always runs spends it first.
 
 The budget of one worker's warmup, from ``KWARM_BUDGET``:
 

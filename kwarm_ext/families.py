@@ -134,7 +134,8 @@ FAMILIES = {
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
                "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
-               "counts, a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA",
+               "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA "
+               "(the MoE router gate runs through its own forward)",
                "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
                "torch's CUDA caching allocator, after CUDA-graph capture: blocks allocated and freed on the "

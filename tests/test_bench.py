@@ -90,6 +90,18 @@ def test_ratio_and_totals_come_from_the_requests(run):
     assert row.endswith("| 14 | 3741 | 6.26 |")  # excess (3.1302 - 0.5) + (1.1498 - 0.0391); 3.1302 / 0.5
 
 
+def test_a_profiled_first_request_marks_first_steady(run):
+    assert not table.first_steady_profiled(run)
+    assert table.first_steady_cell(run) == "82.4"
+    run["requests"][1]["profiled"] = True  # the repeat under cProfile or the allocator's recording
+    assert table.first_steady_profiled(run)
+    assert table.render_table([run]).splitlines()[-1].endswith("| 82.4 (profiled) |")
+    assert "| 82.4 (profiled) | 14 |" in table.render_start_cost([run])
+    del run["requests"][1]["profiled"]
+    run["requests"][2]["profiled"] = True  # another pair's: the headline is untouched
+    assert table.first_steady_cell(run) == "82.4"
+
+
 def test_ownership_mapping(run):
     assert table.owner("_causal_conv1d_fwd_kernel") == "qwen_gdn"
     assert table.owner("layer_norm_fwd_kernel") == "qwen_gdn"

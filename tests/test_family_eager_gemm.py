@@ -52,6 +52,16 @@ def spy(cls):
 
 spy(linear.UnquantizedLinearMethod)
 spy(vpe.UnquantizedEmbeddingMethod)
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+real_gate_forward = GateLinear.forward
+
+
+def gate_forward(self, x):
+    calls.append({"layer": self.kwarm_name + ".forward", "M": x.shape[0], "dtype": str(x.dtype).split(".")[-1]})
+    return real_gate_forward(self, x)
+
+
+GateLinear.forward = gate_forward
 real_bmm = torch.bmm
 
 
@@ -91,6 +101,10 @@ class Model(torch.nn.Module):
                 "row_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, **kw),
                 "row_skip_bias": lambda: linear.RowParallelLinear(128, 64, bias=True, skip_bias_add=True, **kw),
                 "router": lambda: linear.ReplicatedLinear(64, 8, bias=False, **kw),
+                # the MoE router gate: bf16 hidden states, here a fp32 weight (force_fp32_compute
+                # off a GPU) of the shape "router" has, fp32 logits out
+                "gate": lambda: GateLinear(64, 8, out_dtype=torch.float32, params_dtype=torch.float32),
+                "gate_bf16": lambda: GateLinear(64, 8, out_dtype=torch.float32, params_dtype=torch.bfloat16),
                 "lm_head": lambda: vpe.ParallelLMHead(1000, 64, **kw),
                 "mla_sparse": lambda: mla("mla_sparse", sparse=True),
                 "mla_sparse_twin": lambda: mla("mla_sparse_twin", sparse=True),
@@ -109,13 +123,15 @@ def run_case(case):
     model = Model(case["layers"])
     before = {n: p.clone() for n, p in model.named_parameters()}
     runner = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
         get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
         reorder_batch_threshold=case.get("decode_threshold", 1),
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
                                            max_cudagraph_capture_size=case["capture"],
                                            static_forward_context={}))
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"), enforce_eager=False),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"), enforce_eager=False,
+                                     dtype=torch.bfloat16),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=case["max_tokens"]),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         compilation_config=runner.compilation_config)
@@ -183,6 +199,7 @@ CASES = {
     "model": dict(GRAPHS, layers=LAYERS, env={"KWARM_BUDGET": "unlimited"}),
     "no_budget": dict(GRAPHS, layers=LAYERS, env={"KWARM_BUDGET": "0"}),
     "no_graphs": dict(GRAPHS, mode="NONE", max_tokens=70, layers=["router"], env={"KWARM_BUDGET": "unlimited"}),
+    "gates": dict(GRAPHS, layers=["router", "gate", "gate_bf16"], env={"KWARM_BUDGET": "0"}),
     "no_linear": dict(GRAPHS, layers=[]),
     "offloaded": dict(GRAPHS, layers=["router", "lm_head"], device="cuda:0"),  # the layers stay on CPU
     "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"],
@@ -227,14 +244,12 @@ def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
     column = _ms(result, "column")
     assert _ms(result, "column_twin") == []
-    # exact: 64..33, largest first; then the grid's counts above 64, spread; then the fill, spread
+    # exact: 64..33, largest first; then the grid's counts above 64, largest first; then the fill, spread
     grid_rest = [m for m in GRID if m > 64]
     fill_rest = [m for m in FILL if m not in GRID]
     assert column[:len(EXACT)] == EXACT[::-1]
     grid = column[len(EXACT):len(EXACT) + len(grid_rest)]
-    assert sorted(grid) == grid_rest
-    # bit-reversed order over the whole grid's 22 indices (16, 8, 4, 20, ...), counts <= 64 done already
-    assert grid[:4] == [132, 66, 187, 93], "spread first"
+    assert grid == grid_rest[::-1]
     fill = column[len(EXACT) + len(grid_rest):]
     assert sorted(fill) == sorted(fill_rest) and len(fill) == len(set(fill)), "each count once"
     assert fill[:3] == [65, 193, 129], "spread first: bit-reversed order over the fill's counts"
@@ -255,16 +270,39 @@ def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     assert steps["heuristics_cache"]["reason"] == f"runner device unknown is not CUDA ({problems} GEMM problems)"
 
 
-def test_a_spent_budget_leaves_grid_and_fill_to_the_requests(release):
+def test_a_spent_budget_leaves_only_the_fill_to_the_requests(release):
     result = _batch(release)["no_budget"]
     steps = _steps(result)
-    assert sorted(_ms(result, "column")) == EXACT, "the exact counts run whatever the budget"
+    grid_rest = [m for m in GRID if m > 64]
+    assert sorted(_ms(result, "column")) == EXACT + grid_rest, "the exact counts and the grid run whatever the budget"
     summary = result["family"]["details"]["summary"]
-    for name, left in (("grid", 4 * len([m for m in GRID if m > 64])), ("fill", 4 * len([m for m in FILL if m not in GRID]))):
-        assert steps[name]["status"] == "ran"
-        # spent before the pass: nothing captured (on CUDA an empty graph would make torch warn)
-        assert steps[name]["variants"][-1] == f"0 GEMM problems warmed, {left} left to the requests (KWARM_BUDGET)"
-        assert f"{name} 0 problems ({left} left to the requests: KWARM_BUDGET)" in summary
+    assert f"grid {4 * len(grid_rest)} problems," in summary and "grid 0" not in summary
+    left = 4 * len([m for m in FILL if m not in GRID])
+    assert steps["fill"]["status"] == "ran"
+    # spent before the pass: nothing captured (on CUDA an empty graph would make torch warn)
+    assert steps["fill"]["variants"][-1] == f"0 GEMM problems warmed, {left} left to the requests (KWARM_BUDGET)"
+    assert f"fill 0 problems ({left} left to the requests: KWARM_BUDGET)" in summary
+
+
+def test_the_router_gate_runs_its_own_forward_on_the_hidden_states_dtype(release):
+    result = _batch(release)["gates"]
+    grid_rest = [m for m in GRID if m > 64]
+    counts = EXACT[::-1] + grid_rest[::-1]
+    # the plain ReplicatedLinear of the same shape stays a target of its own, through quant_method.apply
+    assert _ms(result, "router") == counts
+    assert _ms(result, "router.forward") == []
+    # each gate (fp32 and bf16 weights: two GEMM shapes) through GateLinear.forward, on bf16 hidden
+    # states (the model's dtype), at the same counts; on CPU its forward ends in quant_method.apply
+    for gate in ("gate", "gate_bf16"):
+        forward = [c for c in result["calls"] if c["layer"] == gate + ".forward"]
+        assert [c["M"] for c in forward] == counts, gate
+        assert {c["dtype"] for c in forward} == {"bfloat16"}, gate
+        assert _ms(result, gate) == counts, gate
+    steps = _steps(result)
+    assert any(v.startswith("gate (8, 64) router gate (its forward): 32 counts") for v in steps["exact"]["variants"])
+    # run, never captured (a CuTe DSL tier may compile and load on its first call)
+    assert steps["exact"]["variants"][-1] == f"{3 * len(EXACT)} GEMM problems run; 2 router gates run"
+    assert steps["fill"]["variants"][-1].endswith("left to the requests (KWARM_BUDGET)")
 
 
 def test_learned_token_counts_are_warmed_exactly_first(release):
