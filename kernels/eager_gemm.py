@@ -323,7 +323,8 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 calls = [(target, target.prepare(buffers)) for target, _ in ran]
                 done, rest = _warm(calls, _order([counts for _, counts in ran], interleave=budgeted), budgeted)
                 warmed, left = warmed + done, left + rest
-                modes.append(f"{len(ran)} router gate{'s' if len(ran) > 1 else ''} run")
+                if done or not modes:
+                    modes.append(f"{len(ran)} router gate{'s' if len(ran) > 1 else ''} run" if done else "warmed")
         mode = "; ".join(modes)
         details[name] = {"warmed": warmed, "left": left, "targets": len(work), "mode": mode,
                           "counts": max(len(c) for _, c in work)}
