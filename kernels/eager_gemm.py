@@ -112,7 +112,7 @@ import dataclasses
 from kwarm_ext import budget, config
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.model_runner import eager_range, runner_models
-from kwarm_ext.vllm_compat import Missing, resolve
+from kwarm_ext.vllm_compat import Missing, resolve, resolve_or_none
 
 NAME = "eager_gemm"
 KERNEL = "cuBLAS GEMMs"
@@ -200,7 +200,7 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
         elif hi < max(lo, 1):
             skips.append(Step(kind, KERNEL, skip="no token counts to warm"))
         else:
-            gate = _resolve_or_none(_GATE) if kind == "linear" else None
+            gate = resolve_or_none(*_GATE) if kind == "linear" else None
             for name, layer, bias in layers:
                 weight = layer.weight
                 own = gate is not None and isinstance(layer, gate)
@@ -439,14 +439,6 @@ def _activation_dtype(view):
     """The model's dtype (its hidden states'), from the runner's model config; None if unknown."""
     dtype = getattr(getattr(view.runner, "model_config", None), "dtype", None)
     return dtype if type(dtype).__name__ == "dtype" else None
-
-
-def _resolve_or_none(names: tuple):
-    """The class `names` resolves to in this release, or None where it has none."""
-    try:
-        return resolve(*names)
-    except Missing:
-        return None
 
 
 def _mla(layer, rows: int):
