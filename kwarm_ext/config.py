@@ -36,7 +36,8 @@ VARIABLES = {
                       "$XDG_CACHE_HOME/kwarm/ (or ~/.cache/kwarm/), one file per model and versions.",
     "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 8% of the "
                     "time vLLM ran before kwarm's warmup, at least 1.5 s), `N` seconds, `N%` of that time "
-                    "(at least 1.5 s), or `unlimited`. Work that removes a compile always runs.",
+                    "(at least 1.5 s), or `unlimited`. Work that removes a compile, the token counts this "
+                    "deployment stepped at and eager_gemm's kernel grid always run; the budget bounds its fill.",
     "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
                            "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
                            "allows pkg and its submodules.",
@@ -159,7 +160,7 @@ class Settings:
     learn_interval: float = 60.0
     manifest: str | None = None
     allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
-    budget: tuple = ("percent", 10.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value)
+    budget: tuple = ("percent", 8.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value); DEFAULT_BUDGET
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
 
     @property
