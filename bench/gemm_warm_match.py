@@ -180,7 +180,7 @@ def main():
 
     evicted("warmed, then 9000 other GEMM problems (default heuristics cache)", 400, 2000)
     try:
-        from kwarm_ext.kernels.eager_gemm import reserve_heuristics_cache
+        from kwarm_ext.kernels.cublaslt import reserve_heuristics_cache
     except ImportError as exc:
         print(json.dumps({"case": "heuristics cache raised", "error": repr(exc)}), flush=True)
     else:

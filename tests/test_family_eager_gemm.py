@@ -164,18 +164,18 @@ def heuristics_cache():
     """kwarm's capacity calls on the cuBLASLt library this torch loaded (no GPU needed); the
     capacity is put back afterwards."""
     import ctypes
-    from kwarm_ext.kernels import eager_gemm
-    libs = eager_gemm._cublaslt_libraries()
+    from kwarm_ext.kernels import cublaslt, eager_gemm
+    libs = cublaslt.libraries_loaded()
     if not libs:
         return {"libraries": 0}
     capacity = ctypes.c_size_t()
     libs[0].cublasLtHeuristicsCacheGetCapacity(ctypes.byref(capacity))
     start = capacity.value
     out = {"libraries": len(libs), "start": start,
-           "raised": eager_gemm.reserve_heuristics_cache(start + 1000),
-           "kept": eager_gemm.reserve_heuristics_cache(10),
+           "raised": cublaslt.reserve_heuristics_cache(start + 1000),
+           "kept": cublaslt.reserve_heuristics_cache(10),
            "step": eager_gemm._reserve_step(5, details := {})(), "details": details.get("heuristics_cache"),
-           "none": eager_gemm.reserve_heuristics_cache(10, libraries=[])}
+           "none": cublaslt.reserve_heuristics_cache(10, libraries=[])}
     for lib in libs:
         lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(start))
     return out
