@@ -226,7 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alloc-stacks", type=parse_indices, default=[], metavar="I,J,...",
                    help="record the CUDA caching allocator's history over these requests: each segment "
                         "they started (cudaMalloc), with its size, stream and the Python frames that asked "
-                        "for it (alloc_stacks); their wall time includes the recording's overhead")
+                        "for it (alloc_stacks); their wall time includes recording each allocation, not "
+                        "the snapshot taken after the clock stops")
     p.add_argument("--sync-lock", default=None, metavar="FILE",
                    help="flock(2) FILE: shared while the engine initializes, exclusive while it measures "
                         "requests, so that engines sharing a GPU never measure while another one "
@@ -1129,23 +1130,26 @@ def main(argv=None) -> int:
             dg0 = deepgemm_entries(dg_dir)
             n0 = len(counter.events)
             profiler = cProfile.Profile() if i in args.profile else None
-            gc0 = gc_timer.snapshot()
-            host0 = host.snapshot()
             alloc0, segs0 = allocator_counts(), segments()
-            cpu0 = (time.process_time(), time.thread_time())
-            t = time.perf_counter()
             traced: dict = {}
+            # the diagnostics start before the clock and end after it (the allocator's snapshot,
+            # the CUDA profiler's tables); what they cost meanwhile stays in "s": flagged "profiled"
             with profiling(profiler), cuda_profiling(i in args.cuda_profile, traced), \
                     alloc_history(i in args.alloc_stacks, traced):
-                extra = run_request(llm, req, i)  # "s" then includes the profiler's overhead: flagged "profiled"
-            s = time.perf_counter() - t
-            gc_passes = gc_timer.since(gc0)
-            host_delta = host.since(host0)
+                gc0 = gc_timer.snapshot()
+                host0 = host.snapshot()
+                cpu0 = (time.process_time(), time.thread_time())
+                t = time.perf_counter()
+                extra = run_request(llm, req, i)
+                s = time.perf_counter() - t
+                # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
+                cpu = {"process_s": round(time.process_time() - cpu0[0], 4),
+                       "thread_s": round(time.thread_time() - cpu0[1], 4)}
+                host_delta = host.since(host0)
+                gc_passes = gc_timer.since(gc0)
             alloc = counts_since(alloc0, allocator_counts())
             if alloc and alloc.get("num_device_alloc") and (grown := new_segments(segs0, segments())) is not None:
                 alloc["new_segments"] = grown  # which pool, size and stream grew
-            # CPU seconds of the whole process and of this thread: other threads busy meanwhile show as the gap
-            cpu = {"process_s": round(time.process_time() - cpu0[0], 4), "thread_s": round(time.thread_time() - cpu0[1], 4)}
             profile = save_profile(profiler, profile_path(out, i)) if profiler is not None else None
             events = counter.events[n0:]
             requests.append({"i": i, "label": req.label, "batch": req.batch, "len": req.length,
