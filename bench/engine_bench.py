@@ -1199,7 +1199,7 @@ def main(argv=None) -> int:
     print(f"engine_bench: wrote {out}")
     print(f"engine_bench: request JIT {result['total_jit']}, "
           f"excess {table.fmt_ms(result['excess_s'])} ms, "
-          f"first/steady {table.fmt_ratio(result['first_steady_ratio'])}, "
+          f"first/steady {table.first_steady_cell(result)}, "
           f"control/steady {table.fmt_ratio(result['control_ratio'])}"
           + "".join(f", {name} {ratio:.3f}" for name, ratio in result["first_steady_counters"].items()))
     if cache["fresh_root"]:

@@ -1052,6 +1052,7 @@ def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
     assert control["control_of"] == 0 and control["repeat_of"] is None and control["len"] == 200
     assert res["control_ratio"] == pytest.approx(control["s"] / res["requests"][1]["s"])
     assert f"control/steady {table.fmt_ratio(res['control_ratio'])}" in proc.stdout
+    assert f"first/steady {table.fmt_ratio(res['first_steady_ratio'])} (profiled)," in proc.stdout
     # both requests of the first pair profiled: their diff, once, in the result and the log
     assert [(d["first"], d["repeat"]) for d in res["profile_diffs"]] == [(0, 1)]
     assert proc.stdout.count("profile, request 0 minus its repeat 1, by tottime:") == 1
