@@ -92,8 +92,9 @@ def first_steady_ratio(run: dict) -> float | None:
 
 def first_steady_profiled(run: dict) -> bool:
     """Whether request 0 or its repeat ran under a profiler or the allocator's recording
-    (``profiled``): the headline ratio then includes that overhead, and request 0's share of
-    it (the recording's snapshot, 3-5 ms at published sizes) only in the numerator."""
+    (``profiled``): the headline ratio then includes that overhead, which need not be the same
+    in both (results before 2026-12-03's sixth session also timed the recording's snapshot, 3-5
+    ms of request 0 alone at published sizes)."""
     return any(r.get("profiled") for pair in with_repeats(run, 0)[:1] for r in pair)
 
 

@@ -5,7 +5,7 @@ process, 8192 entries by default (least recently used out first), and ``eager_ge
 far more (tiny DeepSeek-V3.2: about 29,000). Warmed in ascending order, the small token counts
 were out of the cache again by the first request, which paid the choice once more: 0.13-0.15 ms
 per ``torch.mm`` at M = 200 in request 0 of the engine benchmark, a count
-``eager_gemm`` had run. Before warming on CUDA, the family raises the cache's capacity
+``eager_gemm`` had run. Before warming on CUDA, ``eager_gemm`` raises the cache's capacity
 (``cublasLtHeuristicsCacheSetCapacity``, on the cuBLASLt library torch loaded) to what it
 warms plus the default 8192 for everything else, about 360 bytes of host memory per entry
 (tiny DeepSeek-V3.2: 37,312 entries, about 13 MB); a capacity already larger
