@@ -38,6 +38,9 @@ VARIABLES = {
                     "time vLLM ran before kwarm's warmup, at least 1.5 s), `N` seconds, `N%` of that time "
                     "(at least 1.5 s), or `unlimited`. Work that removes a compile, the token counts this "
                     "deployment stepped at and eager_gemm's kernel grid always run; the budget bounds its fill.",
+    "KWARM_COMPILE_PROCESSES": "Processes per worker that compile DeepGEMM's block-FP8 kernels on a cold "
+                               "start: `auto` (default: one per core of the worker's share but one, at most "
+                               "16) or N (1..1024, at most the worker's cores but one), for a host with more cores.",
     "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
                            "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
                            "allows pkg and its submodules.",
@@ -161,6 +164,7 @@ class Settings:
     manifest: str | None = None
     allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
     budget: tuple = ("percent", 8.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value); DEFAULT_BUDGET
+    compile_processes: int | None = None  # KWARM_COMPILE_PROCESSES; None: auto
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
 
     @property
@@ -174,7 +178,8 @@ class Settings:
                 "KWARM_REPORT": self.report, "KWARM_LEARN": self.learn,
                 "KWARM_LEARN_INTERVAL": self.learn_interval, "KWARM_MANIFEST": self.manifest,
                 "KWARM_ALLOW_MODULES": ",".join(self.allowed_modules),
-                "KWARM_BUDGET": _describe_budget(self.budget)}
+                "KWARM_BUDGET": _describe_budget(self.budget),
+                "KWARM_COMPILE_PROCESSES": self.compile_processes or "auto"}
 
 
 def is_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -221,6 +226,7 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
                     manifest=_parse_file_path(env, "KWARM_MANIFEST", bad),
                     allow_modules=_parse_allow_modules(env.get("KWARM_ALLOW_MODULES"), bad),
                     budget=_parse_budget(env.get("KWARM_BUDGET"), bad),
+                    compile_processes=_parse_processes(env.get("KWARM_COMPILE_PROCESSES"), bad),
                     problems=tuple(problems))
 
 
@@ -285,6 +291,23 @@ def _parse_budget(raw, bad) -> tuple:
         bad("KWARM_BUDGET", raw, "auto", f"expected auto, unlimited, seconds (0..{top:g}) or a percentage (0..1000%)")
         return DEFAULT_BUDGET
     return (kind, value)
+
+
+MAX_COMPILE_PROCESSES = 1024
+
+
+def _parse_processes(raw, bad) -> int | None:
+    """``auto`` (None) or a count of processes, 1..MAX_COMPILE_PROCESSES."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_COMPILE_PROCESSES:
+        bad("KWARM_COMPILE_PROCESSES", raw, "auto", f"expected auto or a whole number from 1 to {MAX_COMPILE_PROCESSES}")
+        return None
+    return value
 
 
 def _describe_budget(budget: tuple) -> str:

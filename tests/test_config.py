@@ -46,6 +46,21 @@ def test_bad_values_are_logged_once_when_settings_load(kwarm_env, kwarm_log):
     assert any("KWARM_STRICT='sure'" in w for w in warnings)
 
 
+@pytest.mark.parametrize("raw, expect", [(None, None), ("auto", None), (" 31 ", 31), ("1", 1), ("1024", 1024)])
+def test_compile_processes(raw, expect):
+    s = parse(**({} if raw is None else {"KWARM_COMPILE_PROCESSES": raw}))
+    assert s.compile_processes == expect and s.problems == ()
+    assert s.as_dict()["KWARM_COMPILE_PROCESSES"] == (expect or "auto")
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "many", "2.5", "1025"])
+def test_bad_compile_processes_fall_back_to_auto(raw):
+    s = parse(KWARM_COMPILE_PROCESSES=raw)
+    assert s.compile_processes is None
+    assert s.problems == (f"KWARM_COMPILE_PROCESSES={raw!r} is invalid (expected auto or a whole number from 1 "
+                          "to 1024); using the default 'auto'",)
+
+
 def test_warmups_selection():
     only = parse(KWARM_WARMUPS="qwen_gdn").warmups
     assert only.wants("qwen_gdn") and not only.wants("runner") and only.forced == {"qwen_gdn"}

@@ -409,6 +409,18 @@ def test_processes_started_before_the_load_end_with_the_ahead_run_that_did_not_t
     assert id(worker) not in dg._early and proc.wait(timeout=60) is not None
 
 
+@pytest.mark.parametrize("setting, cores, expect", [
+    (None, 17, 16), (None, 33, 16),  # auto: a core for the engine, at most MAX_CHILDREN
+    (None, 4, 3), (None, 1, 1),
+    ("31", 33, 31), ("31", 16, 15),  # KWARM_COMPILE_PROCESSES: above the cap, never past the cores
+    ("2", 33, 2),
+])
+def test_compile_processes_per_worker(monkeypatch, kwarm_env, setting, cores, expect):
+    kwarm_env(**({} if setting is None else {"KWARM_COMPILE_PROCESSES": setting}))
+    monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: cores)
+    assert dg.compile_processes(1) == expect
+
+
 def test_the_summary_says_when_the_processes_were_ready_and_done():
     outcomes = [{"ready": 0.4, "done": 30.2}, {"ready": 0.6, "done": 41.7}, {"ready": 2.5, "done": 39.0}]
     assert dg.readiness(outcomes) == "ready 0.6-2.5 s after the work list, all done at 42 s"

@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 
-from kwarm_ext import triton_compile
+from kwarm_ext import config, triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
@@ -74,6 +74,8 @@ _WARMUP_NAMES = ("_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_d
 # 0.20-0.32 a filter on the layer and its weights
 _LINEAR_NAMES = (("_deep_gemm_linear_data",), ("_fp8_linear_may_use_deep_gemm", "_extract_data_from_linear_base_module"))
 COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load takes milliseconds)
+# auto's cap (KWARM_COMPILE_PROCESSES raises it): the data-parallel engines of one host each take
+# their share of its cores, and each compile process holds a CUDA context
 MAX_CHILDREN = 16
 CHILD_GPU_BYTES = 1 << 30  # a child's CUDA context and DeepGEMM's workspace, with room to spare
 
@@ -147,11 +149,18 @@ def before_load(worker) -> None:
         _stop([started])
         return
     tp_size = getattr(worker.vllm_config.parallel_config, "tensor_parallel_size", 1)
-    n = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1))
+    n = compile_processes(tp_size)
     _early[id(worker)] = (started or start_forkserver(), n)
     logger.info("kwarm: deep_gemm: the parent of %d compile processes %s (DeepGEMM's cache %s holds no GEMM "
                 "kernel)", n, "started early (front end or engine start)" if started else "started beside weight loading",
                 _cache_dir())
+
+
+def compile_processes(tp_size) -> int:
+    """How many compile processes this worker starts: KWARM_COMPILE_PROCESSES, or MAX_CHILDREN
+    (auto), never more than its share of the cores but one, which stays with the engine."""
+    wanted = config.get().compile_processes or MAX_CHILDREN
+    return max(1, min(wanted, triton_compile.compile_threads(tp_size) - 1))
 
 
 def early_start_gap(worker) -> str | None:
@@ -463,8 +472,7 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> li
             _stop([early[0]] if early else [])
             return labels
     before = cached_kernels(cache)
-    children = max(1, min(MAX_CHILDREN, triton_compile.compile_threads(tp_size) - 1,  # a core stays with the engine
-                          torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
+    children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
     work = chunks([job["counts"] for job in jobs])
     children = min(children, len(work))
     cold = bool(early) or sent is not None or cached_kernels(cache, "gemm") == 0
