@@ -54,6 +54,11 @@ def vllm_config(view):
     return getattr(view.worker, "vllm_config", None) or getattr(view.runner, "vllm_config", None)
 
 
+def model_dtype(view):
+    """The model's dtype (its activations'), from the engine's model config; None if unknown."""
+    return getattr(getattr(vllm_config(view), "model_config", None), "dtype", None)
+
+
 def metadata_builder(group):
     """The group's first metadata builder (``metadata_builders[0]``, or ``get_metadata_builder()``)."""
     builders = getattr(group, "metadata_builders", None)

@@ -71,7 +71,7 @@ import time
 
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, dataclass_instance, group_id_of,
-                                                group_layer, groups_of, metadata_builder, vllm_config)
+                                                group_layer, groups_of, metadata_builder, model_dtype)
 from kwarm_ext.vllm_compat import Missing
 
 NAME = "caching_allocator"
@@ -137,7 +137,7 @@ def sparse_mqa(view, group, counts: list) -> None:
     layer = group_layer(view, group)
     impl, kv_cache = layer.impl, bound_kv_cache(layer)
     device = kv_cache.device
-    dtype = getattr(getattr(vllm_config(view), "model_config", None), "dtype", None) or kv_cache.dtype
+    dtype = model_dtype(view) or kv_cache.dtype
     builder = metadata_builder(group)
     block_size = getattr(getattr(builder, "kv_cache_spec", None), "block_size", None) or kv_cache.shape[1]
     table = block_table(view, group_id_of(group, group_label(group)), 1)

@@ -98,6 +98,7 @@ import dataclasses
 from kwarm_ext import budget, config
 from kwarm_ext.kernels import cublaslt
 from kwarm_ext.families import Plan, Step
+from kwarm_ext.kernels.attention_groups import model_dtype
 from kwarm_ext.kernels.model_runner import eager_range, runner_models
 from kwarm_ext.vllm_compat import Missing, resolve, resolve_or_none
 
@@ -192,7 +193,7 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
                 weight = layer.weight
                 own = gate is not None and isinstance(layer, gate)
                 # the gate gets the hidden states in the model's dtype, whatever its weight's (fp32 on some models)
-                dtype = (_activation_dtype(view) or weight.dtype) if own else weight.dtype
+                dtype = (model_dtype(view) or weight.dtype) if own else weight.dtype
                 targets.append(Target(kind, f"{name} {tuple(weight.shape)}{' +bias' if bias is not None else ''}"
                                       + (" router gate (its forward)" if own else ""),
                                       max(lo, 1), hi, 1, _gate(layer, dtype) if own else _linear(layer, bias),
@@ -420,12 +421,6 @@ def _gate(layer, dtype):
         return warm
 
     return prepare
-
-
-def _activation_dtype(view):
-    """The model's dtype (its hidden states'), from the runner's model config; None if unknown."""
-    dtype = getattr(getattr(view.runner, "model_config", None), "dtype", None)
-    return dtype if type(dtype).__name__ == "dtype" else None
 
 
 def _mla(layer, rows: int):

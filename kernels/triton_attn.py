@@ -57,7 +57,7 @@ from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, common_metadata,
                                                 group_id_of, group_layer, groups_of, metadata_builder,
-                                                vllm_config)
+                                                model_dtype)
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
 from kwarm_ext.triton_compat import int_class, param_mode
@@ -140,7 +140,7 @@ def target_of(view, group, label: str) -> Target:
     max_tokens = view.max_num_batched_tokens
     if not isinstance(max_reqs, int) or not isinstance(max_tokens, int):
         raise Missing(f"{label}: max_num_seqs / max_num_batched_tokens unknown")
-    dtype = getattr(layer, "dtype", None) or getattr(getattr(vllm_config(view), "model_config", None), "dtype", None)
+    dtype = getattr(layer, "dtype", None) or model_dtype(view)
     if dtype is None:
         raise Missing(f"{label}: the model's dtype is unknown")
     return Target(label, layer, kv_cache, builder, functools.partial(block_table, view, group_id),

@@ -123,7 +123,6 @@ def run_case(case):
     model = Model(case["layers"])
     before = {n: p.clone() for n, p in model.named_parameters()}
     runner = SimpleNamespace(
-        model_config=SimpleNamespace(dtype=torch.bfloat16),
         get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
         reorder_batch_threshold=case.get("decode_threshold", 1),
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
+from kwarm_ext.kernels.attention_groups import model_dtype
 from kwarm_ext.kernels.dsa_indexer.common import FUSED_Q_KERNEL, _device, _need, _synchronize
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
 
@@ -128,7 +128,7 @@ def _fused_q_steps(view, forced: bool) -> list:
         device = _device(view)
     except Missing as exc:  # no fused_q (before 0.33), or a layer without what the forward reads
         return [Step("fused_q", FUSED_Q_KERNEL, skip=str(exc))]
-    dtype = getattr(getattr(_vllm_config(view), "model_config", None), "dtype", None)
+    dtype = model_dtype(view)
     return [Step(f"fused_q {variant.label()}", FUSED_Q_KERNEL,
                  run=lambda variant=variant, layer=layer: run_variant(
                      fn, layer, variant, device, dtype or layer.rotary_emb.cos_sin_cache.dtype))
