@@ -31,6 +31,7 @@ class EngineView:
     is_pooling_model: bool | None = None
     tp_rank: int | None = None
     tp_size: int | None = None
+    before_profile_run: bool = False  # built by the ahead run with vLLM's profile run next
     missing: dict = dataclasses.field(default_factory=dict)  # read -> reason
     worker: Any = dataclasses.field(default=None, repr=False, compare=False)
     runner: Any = dataclasses.field(default=None, repr=False, compare=False)

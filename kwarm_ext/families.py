@@ -81,9 +81,10 @@ FAMILIES = {
     for f in (
         Family("deep_gemm", "kwarm_ext.kernels.deep_gemm",
                "block-FP8 models: DeepGEMM's GEMM kernels for every weight vLLM runs on DeepGEMM and "
-               "every token count or grouped layout that selects one, compiled before vLLM's profile run "
-               "on every core of the rank (child processes on the engine's weights through CUDA IPC), so "
-               "that the profile run and vLLM's warmup load them",
+               "every token count or grouped layout that selects one, compiled on every core of the rank "
+               "from the moment vLLM has built the model (child processes, on the weights' shapes during "
+               "the load, then on the engine's weights through CUDA IPC), beside the profile run's "
+               "torch.compile where it has one, so that the profile run and vLLM's warmup load them",
                "vLLM compiles its profile run's kernels and then its own list one by one (deep_gemm_warmup, "
                "0.20-0.33); before 0.33 it skips weights whose N is not a multiple of 128, and every "
                "release skips grouped layouts between its counts; kwarm compiles all of them in "

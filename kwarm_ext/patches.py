@@ -129,6 +129,7 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
         from kwarm_ext import warmup
 
         warmup.ahead(worker)  # isolates each of its own steps
+        warmup.finish_ahead(worker)  # what it left compiling, if the profile run did not wait for it
     result = wrapped(*args, **kwargs)
     with fail_open("warmup failed, the engine starts without it"):
         from kwarm_ext import warmup
@@ -146,19 +147,26 @@ def _wrap_determine_available_memory(wrapped, instance, args, kwargs):
     one after another, before ``kernel_warmup`` is reached: 40 s of a 237 s cold start for GLM-5's
     FP8 dimensions on vLLM 0.29.0 (BENCHMARKS.md; 4 s on a run whose DeepGEMM kernels were
     built). Run first, ``deep_gemm`` compiles those with all the others on every core, and
-    the profile run loads them. Its child processes have exited, and its scratch memory is back
-    with the driver, before vLLM's memory profiling starts: that measures what it always measured.
+    the profile run loads them. Where the profile run starts with ``torch.compile`` (tens of
+    seconds before its first DeepGEMM call) the compiles run on beside it, and
+    ``warmup.beside_profile_run`` shadows the runner's ``profile_run`` on the instance, for this
+    call only, to wait for them as it returns. Either way the child processes have exited, and
+    kwarm's scratch memory is back with the driver, before vLLM reads the memory the profile run
+    used: that measures what it always measured.
     Where this wrapper could not run them, the families run before ``kernel_warmup`` as before
     (:func:`_wrap_kernel_warmup`; once per worker either way).
     vLLM versions: 0.20-0.33, where ``Worker.determine_available_memory`` runs the profile run.
     It can go with ``deep_gemm`` (when vLLM compiles DeepGEMM's kernels in parallel or ships them).
     """
+    beside = contextlib.nullcontext()
     with fail_open("warmup ahead of vLLM's profile run failed, it runs before vLLM's kernel warmup instead"):
         from kwarm_ext import warmup
 
-        if any(result.status == "ran" for result in warmup.ahead(instance)):
+        if any(result.status == "ran" for result in warmup.ahead(instance, before_profile_run=True)):
             release_cached_memory()
-    return wrapped(*args, **kwargs)
+        beside = warmup.beside_profile_run(instance)
+    with beside:
+        return wrapped(*args, **kwargs)
 
 
 def release_cached_memory() -> None:

@@ -109,11 +109,12 @@ def run(worker) -> dict:
     return report
 
 
-def ahead(worker) -> list:
+def ahead(worker, before_profile_run: bool = False) -> list:
     """Run the selected ``ahead`` families on `worker`, before vLLM's profile run
-    (``Worker.determine_available_memory``) or, where that hook did not run them, before its
-    ``kernel_warmup``: once per warmup run, the second call returns []. Their results (and
-    seconds) go into the summary line and report of :func:`run`."""
+    (``Worker.determine_available_memory``, `before_profile_run`) or, where that hook did not run
+    them, before its ``kernel_warmup``: once per warmup run, the second call returns []. Their
+    results (and seconds) go into the summary line and report of :func:`run`. A family may leave
+    work running beside the profile run: :func:`finish_ahead` waits for it."""
     names = [name for name, family in FAMILIES.items() if family.ahead]
     if not names or id(worker) in _ahead:
         return []
@@ -123,6 +124,7 @@ def ahead(worker) -> list:
     if any(settings.warmups.wants(name) for name in names):  # a view only where one will run
         try:
             view = guarded("engine view", lambda: engine.build(worker))
+            view.before_profile_run = before_profile_run
         except StepFailed:
             pass
     results = [_run_family(name, view, settings) for name in names]
@@ -134,6 +136,58 @@ def ahead(worker) -> list:
             except StepFailed:
                 pass
     return results
+
+
+def finish_ahead(worker) -> None:
+    """Wait for the work `worker`'s ahead families left running beside vLLM's profile run (each
+    ran family's ``finish(worker)``: its labels join the family's summary, the wait its seconds);
+    one isolated step each, a no-op once done or where nothing was left."""
+    results, seconds = _ahead.get(id(worker), ([], 0.0))
+    t0 = time.perf_counter()
+    for result in results:
+        if result.status != "ran" or not hasattr(module := FAMILIES[result.name].load(), "finish"):
+            continue
+        started = time.perf_counter()
+        try:
+            labels = guarded(f"{result.name} beside vLLM's profile run", lambda: module.finish(worker)) or []
+        except StepFailed as exc:
+            result.steps.append({"name": "beside vLLM's profile run", "kernel": "", "status": "failed", "variants": [],
+                                 "reason": str(exc), "seconds": round(time.perf_counter() - started, 4)})
+            labels = []
+        if labels:
+            result.details["summary"] = "; ".join(filter(None, [result.details.get("summary"), *labels]))
+            logger.info("kwarm: %s: done beside vLLM's profile run: %s", result.name, "; ".join(labels))
+        result.seconds = round(result.seconds + time.perf_counter() - started, 4)
+    if id(worker) in _ahead:
+        _ahead[id(worker)] = (results, seconds + time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def beside_profile_run(worker):
+    """While vLLM's ``Worker.determine_available_memory`` runs: the worker's model runner's
+    ``profile_run`` shadowed on the instance, so that :func:`finish_ahead` runs the moment it
+    returns, before vLLM reads the GPU's free memory after it (the compile processes, whose
+    memory is not the engine's, have exited by then); the shadow goes on exit, and
+    :func:`finish_ahead` runs there too where the profile run did not (a no-op when it did)."""
+    runner = getattr(worker, "model_runner", None)
+    profile_run = getattr(runner, "profile_run", None)
+    own = runner is not None and "profile_run" in vars(runner)
+    if callable(profile_run) and id(worker) in _ahead:
+        def then_finish(*args, **kwargs):
+            try:
+                return profile_run(*args, **kwargs)
+            finally:
+                finish_ahead(worker)
+
+        runner.profile_run = then_finish
+    try:
+        yield
+    finally:
+        if own:
+            runner.profile_run = profile_run
+        elif runner is not None:
+            vars(runner).pop("profile_run", None)
+        finish_ahead(worker)
 
 
 def before_load(worker) -> None:

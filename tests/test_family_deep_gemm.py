@@ -25,7 +25,7 @@ from kwarm_ext.kernels import deep_gemm as dg
 from test_faults import stand_in_worker
 
 
-def test_chunks_cover_every_count_once_in_short_runs_spread_over_m_interleaved_across_weights():
+def test_chunks_cover_every_count_once_the_profile_runs_first_then_short_runs_spread_over_m():
     linear = [(m, None, None) for m in (1, 2, 3, 4, 8, 16, 63, 64, 200, 256, 1024, 4096, 8192)]
     grouped = [(m, 128, None) for m in (33536, 65536, 98048)]
     counts = [linear, grouped, [], list(reversed(linear[:4]))]
@@ -33,11 +33,12 @@ def test_chunks_cover_every_count_once_in_short_runs_spread_over_m_interleaved_a
     for j, job in enumerate(counts):  # every count once
         assert sorted(c for k, run in work if k == j for c in run) == sorted(job, key=lambda c: c[0])
     assert [(j, [c[0] for c in run]) for j, run in work] == [
-        (0, [1, 2, 3, 4]), (1, [33536, 65536, 98048]), (3, [1, 2, 3, 4]),  # each weight's first run,
+        (0, [8192]), (1, [98048]), (3, [4]),  # each weight's largest count alone: vLLM's profile run's
+        (0, [1, 2, 3, 4]), (1, [33536, 65536]), (3, [1, 2, 3]),  # then each weight's first run,
         (0, [200, 256, 1024, 4096]),  # then each one's second: the middle of M, ...
-        (0, [8, 16, 63, 64]), (0, [8192])]
+        (0, [8, 16, 63, 64])]
     assert dg.chunks([[], []]) == []
-    assert [len(run) for _, run in dg.chunks([[(m, None, None) for m in range(1, 20)]])] == [8, 3, 8]
+    assert [len(run) for _, run in dg.chunks([[(m, None, None) for m in range(1, 20)]])] == [1, 8, 2, 8]
 
 
 def test_spread_takes_the_middle_of_the_largest_gap_next():
@@ -128,7 +129,7 @@ def test_jobs_are_vllms_weights_and_counts_one_per_distinct_shape(monkeypatch):
                         lambda m: (m.w13, "s13", m.w2, "s2", 2))
     monkeypatch.setattr(w_mod, "_get_grouped_gemm_params",
                         lambda w1, w2, top_k, max_tokens: (256, 128, [(128, 128, "ids"), (256, 128, "ids")]))
-    monkeypatch.setattr(dg, "grouped_layouts",
+    monkeypatch.setattr(dg.selection, "grouped_layouts",
                         lambda module, w1, w2, top_k, max_tokens: [(256, 128, None), (384, 128, None)])
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "full")
     jobs = dg.gemm_jobs(model, 64)
@@ -493,6 +494,90 @@ def test_the_ahead_run_waits_for_the_work_sent_as_the_model_was_built_and_runs_o
         "1 weights, 1 calls in 1 runs sent to 1 processes as the model was built, before its weights loaded; 0 kernels new")
 
 
+def _done_server(line: dict):
+    """A parent whose one process did its work and exited: the JSON line it printed."""
+    import tempfile as tf
+
+    out, err = tf.TemporaryFile(), tf.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", f"print({json.dumps(line)!r})"], stdin=subprocess.PIPE,
+                            stdout=out, stderr=err)
+    return proc, out, err
+
+
+def test_the_profile_run_compiles_unless_eager_or_without_a_compilation_mode():
+    from types import SimpleNamespace as NS
+
+    from vllm.config import CompilationConfig
+
+    def config(eager=False, **compilation):
+        return NS(model_config=NS(enforce_eager=eager), compilation_config=NS(**compilation))
+
+    assert dg.profile_run_compiles(config(mode=3)) and dg.profile_run_compiles(config(level=3))  # 0.24+, before
+    assert not dg.profile_run_compiles(config(eager=True, mode=3))
+    assert not dg.profile_run_compiles(config(mode=0)) and not dg.profile_run_compiles(config(mode=None))
+    real = CompilationConfig(mode=3) if "mode" in CompilationConfig.__dataclass_fields__ else CompilationConfig(level=3)
+    assert dg.profile_run_compiles(NS(model_config=NS(enforce_eager=False), compilation_config=real))
+
+
+def test_beside_the_profile_run_the_ahead_run_returns_at_once_and_finish_waits(monkeypatch, tmp_path):
+    # the work sent as the model was built covers every job: nothing more goes out, the spare
+    # parent ends; finish waits for the sent processes once, then has nothing left
+    import tempfile as tf
+
+    monkeypatch.setattr(dg, "_cache_dir", lambda: str(tmp_path))
+    job = {"kind": "linear", "shape": (256, 512), "ws_shape": (2, 4), "counts": [(1, None, None)]}
+    loaded = [{"kind": "linear", "w": torch.empty(256, 512, device="meta"), "ws": None, "counts": [(1, None, None)]}]
+    spare = dg.start_forkserver()
+    sent = {"server": _done_server({"calls": 1, "runs": 1, "seconds": 0.5}), "processes": 1, "spare": spare,
+            "claims": tf.TemporaryDirectory(), "t0": time.perf_counter(), "before": 0,
+            "work": dg.chunks([job["counts"]]), "jobs": [job], "calls": 1}
+    worker = object()
+    labels = dg.compile_ahead(loaded, "cuda:0", 1, early=None, sent=sent, beside=id(worker))
+    assert labels == ["1 weights sent to 1 processes as the model was built: compiling beside vLLM's profile run "
+                      "(its torch.compile first)"]
+    assert spare[0].wait(timeout=60) is not None, "nothing left for the spare parent: it ends"
+    done = dg.finish(worker)
+    assert done[0].startswith("1 weights, 1 calls in 1 runs sent to 1 processes as the model was built")
+    assert "s of it after vLLM's profile run" in done[0] and done[1].startswith("waited ")
+    assert dg.finish(worker) == [], "once"
+
+
+def test_beside_the_profile_run_the_weights_found_after_the_load_go_out_and_a_failure_is_one_line(
+        monkeypatch, tmp_path):
+    # the loaded model adds a MoE weight: it goes to the spare parent's real processes (here they
+    # cannot map CUDA, which is how any failure looks); finish raises one line, and no process outlives it
+    import tempfile as tf
+
+    import torch.multiprocessing as tmp
+
+    monkeypatch.setattr(dg, "_cache_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    job = {"kind": "linear", "shape": (256, 512), "ws_shape": (2, 4), "counts": [(1, None, None)]}
+    grouped = {"kind": "grouped", "w": torch.zeros(2, 4, 4), "ws": torch.ones(2, 1, 1),
+               "counts": [(128, 128, None), (256, 128, None)]}
+    sent = {"server": _done_server({"calls": 1, "runs": 1, "seconds": 0.5}), "processes": 1,
+            "spare": dg.start_forkserver(), "claims": tf.TemporaryDirectory(), "t0": time.perf_counter(), "before": 0,
+            "work": dg.chunks([job["counts"]]), "jobs": [job], "calls": 1}
+    worker = object()
+    old = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")  # CPU tensors through a pipe (CUDA uses IPC handles)
+    try:
+        labels = dg.compile_ahead([dict(job, w=torch.empty(256, 512, device="meta"), ws=None), grouped],
+                                  "cuda:0", 1, early=None, sent=sent, beside=id(worker))
+        assert labels == ["1 weights sent to 1 processes as the model was built, 1 found after the load (2 calls) on "
+                          "2 more: compiling beside vLLM's profile run (its torch.compile first)"]
+        rest = dg._pending[id(worker)]["rest"]
+        assert "buffers" not in rest["started"] or rest["started"]["buffers"] is None, "their scratch is their own"
+        with pytest.raises(RuntimeError) as err:
+            dg.finish(worker)
+    finally:
+        tmp.set_sharing_strategy(old)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("2 of 2 DeepGEMM compile processes failed (exit 2); first: ")
+    assert rest["started"]["server"][0].poll() is not None and id(worker) not in dg._pending
+
+
 def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log,
                                                                                     tmp_path):
     # vLLM's Worker.load_model and initialize_model through kwarm's patches, on stand-in modules:
@@ -525,17 +610,20 @@ def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_lin
                                                parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
     worker.load_model()
     sent = dg._sent.pop(id(worker))
-    assert sent["processes"] == 1 and id(worker) not in dg._early, "one run of work: one process, the parent taken"
+    # two runs of work (the profile run's count alone, then the other seven): two processes
+    assert sent["processes"] == 2 and id(worker) not in dg._early, "two runs, two processes, the parent taken"
     assert sent["calls"] == 8 and [j["shape"] for j in sent["jobs"]] == [(2112, 7168)]
-    assert any("1 weights, 8 token counts sent to 1 compile processes as the model was built" in m
+    assert any("1 weights, 8 token counts sent to 2 compile processes as the model was built" in m
                for m in kwarm_log.messages(logging.INFO))
+    spare = sent["spare"]  # a second parent, importing for what the loaded model adds
     loaded = [{"kind": "linear", "w": torch.empty(2112, 7168, device="meta"), "ws": None,
                "counts": [(m, None, None) for m in range(1, 9)]}]
     with pytest.raises(RuntimeError) as err:
         dg.compile_ahead(loaded, "cuda:0", 1, early=None, sent=sent)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("1 of 1 DeepGEMM compile processes failed (exit 1); first: ")
+    assert "\n" not in message and message.startswith("2 of 2 DeepGEMM compile processes failed (exit 2); first: ")
     assert sent["server"][0].poll() is not None, "the parent does not outlive the step"
+    assert spare[0].poll() is not None, "nor does the spare one"
 
 
 def test_the_summary_counts_compiles_apart_from_kernels_so_duplicates_show():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import wrapt
@@ -58,7 +59,7 @@ def test_a_failing_ahead_phase_is_one_warning_and_vllms_warmup_still_runs(unpatc
 
     calls = []
     monkeypatch.setattr(gpu_worker, "kernel_warmup", lambda worker: calls.append(("vllm", worker)) or "r")
-    monkeypatch.setattr(warmup, "ahead", lambda worker: 1 / 0)
+    monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: 1 / 0)
     monkeypatch.setattr(warmup, "run", lambda worker: calls.append(("kwarm", worker)))
     patches.patch(gpu_worker)
     assert gpu_worker.kernel_warmup("W") == "r"
@@ -198,7 +199,7 @@ def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch
     kwarm_env(KWARM_WARMUPS="deep_gemm,runner")
     planned, calls = [], []
     real_ahead = warmup.ahead
-    monkeypatch.setattr(warmup, "ahead", lambda worker: planned.append([r.name for r in real_ahead(worker)]) or [])
+    monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: planned.append([r.name for r in real_ahead(worker)]) or [])
     module = types.ModuleType("stand_in_gpu_worker")
     module.Worker = type("Worker", (), {"determine_available_memory": lambda self: calls.append(list(planned)) or 7})
     module.kernel_warmup = lambda worker: calls.append("vllm kernel_warmup")
@@ -215,13 +216,54 @@ def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch
     assert len(done) == 1 and done[0].count("deep_gemm") == 1 and "runner device cpu is not CUDA" in done[0]
 
 
+def test_compiles_left_beside_the_profile_run_are_waited_for_as_it_returns(monkeypatch, kwarm_env, kwarm_log):
+    """deep_gemm may leave its compile processes running beside vLLM's profile run (its
+    torch.compile first): they are waited for the moment the runner's ``profile_run`` returns,
+    before ``determine_available_memory`` reads the memory it used; the shadow goes with the call,
+    and the wait joins deep_gemm's seconds and summary once."""
+    import types
+
+    from kwarm_ext import patches, warmup
+    from kwarm_ext.kernels import deep_gemm
+
+    kwarm_env(KWARM_WARMUPS="deep_gemm")
+    calls = []
+    monkeypatch.setattr(warmup, "ahead", lambda worker, before_profile_run=False: calls.append(
+        ("ahead", before_profile_run)) or warmup._ahead.setdefault(
+        id(worker), ([warmup.FamilyResult("deep_gemm", status="ran", seconds=1.0)], 1.0))[0])
+    monkeypatch.setattr(deep_gemm, "finish",  # as the real one: its labels once, then [] (nothing pending)
+                        lambda worker: calls.append("finish") or (["waited 2.0 s"] if calls.count("finish") == 1 else []))
+
+    class Runner:
+        def profile_run(self):
+            calls.append("profile_run")
+
+    def determine_available_memory(self):
+        calls.append("profiling starts")
+        self.model_runner.profile_run()
+        calls.append("free memory read")
+        return 7
+
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"determine_available_memory": determine_available_memory})
+    patches.patch_before_profile(module)
+    worker = module.Worker()
+    worker.model_runner = Runner()
+    assert worker.determine_available_memory() == 7
+    assert calls == [("ahead", True), "profiling starts", "profile_run", "finish", "free memory read", "finish"]
+    assert "profile_run" not in vars(worker.model_runner), "the shadow is gone with the call"
+    (result,), seconds = warmup._ahead.pop(id(worker))
+    assert result.details["summary"] == "waited 2.0 s" and result.seconds >= 1.0 and seconds >= 1.0
+    assert any("deep_gemm: done beside vLLM's profile run: waited 2.0 s" in m for m in kwarm_log.messages(logging.INFO))
+
+
 def test_a_failing_ahead_before_the_profile_run_is_one_warning(monkeypatch, kwarm_env, kwarm_log):
     import types
 
     from kwarm_ext import patches, warmup
 
     kwarm_env()
-    monkeypatch.setattr(warmup, "ahead", lambda worker: 1 / 0)
+    monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: 1 / 0)
     module = types.ModuleType("stand_in_gpu_worker")
     module.Worker = type("Worker", (), {"determine_available_memory": lambda self: 42})
     patches.patch_before_profile(module)

@@ -39,8 +39,12 @@ each, slower fifteen at a time) overlap the load; once vLLM has built the model,
 weights load (:func:`model_built`, from ``initialize_model``), they get the linear layers' work
 by shape (a kernel depends on N, K and M, not on the values) and compile while the weights load,
 on tensors of their own, as many processes as the GPU's free memory holds beside the weights.
-The ahead run then waits for them and runs only what they did not cover (MoE layers, whose
-experts are set up after the load).
+The ahead run sends what they did not cover (MoE layers, whose experts are set up after the
+load) to a second parent started then; where vLLM's profile run starts with ``torch.compile``,
+it does not wait: the processes compile beside Dynamo's trace and Inductor's compiles, and
+:func:`finish` waits for them once the profile run has returned (:func:`compile_beside`; in eager
+mode the ahead run waits for them before it). The selection lives in ``selection``, the
+processes in ``processes``.
 
 Upstream: vLLM 0.20-0.33 compile these kernels serially (``deep_gemm_warmup``); vLLM issue
 #49905 is about the entry points that warmup misses, not its speed. This family can go when
@@ -52,7 +56,6 @@ import json
 import logging
 import os
 import pickle
-import sys
 import tempfile
 import time
 
@@ -60,14 +63,16 @@ from kwarm_ext import config, triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
-    EARLY_ENV, forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread, start_early,
-    start_forkserver, take_early)
+    EARLY_ENV, finish_children, forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread,
+    start_children, start_early, start_forkserver, take_early)
+from kwarm_ext.kernels.deep_gemm.selection import (  # noqa: F401  (the family's names, re-exported)
+    WARMUP_MODULE, _deep_gemm_takes, _takes_linear, fused_experts, gemm_jobs, grouped_layouts, job_key, linear_data,
+    runs_on_deep_gemm, shape_jobs)
 
 logger = logging.getLogger("kwarm")
 
 KERNEL = "deep_gemm.fp8_gemm_nt"
 TRITON_KERNELS = ()  # DeepGEMM is not Triton
-WARMUP_MODULE = "vllm.model_executor.warmup.deep_gemm_warmup"
 _WARMUP_NAMES = ("_get_fp8_gemm_nt_m_values", "_fused_moe_grouped_gemm_may_use_deep_gemm",
                  "_extract_data_from_fused_moe_module", "_get_grouped_gemm_params")
 # which linear layers run on DeepGEMM: 0.33+ asks the layer (its DeepGEMM kernel stamps it),
@@ -111,27 +116,29 @@ def warmup_gaps(w_mod) -> list:
     return missing + ([] if [] in linear else linear[-1])
 
 
-def linear_data(w_mod, module):
-    """``(w, ws)`` of a linear layer whose GEMM runs on DeepGEMM, else None. vLLM 0.33+: the layers
-    the DeepGEMM kernel stamped as its own (``_deep_gemm_linear_data``, what vLLM's warmup runs:
-    every N that kernel takes). Before: vLLM's warmup filter, or vLLM's kernel choice where the
-    filter leaves the layer out (:func:`runs_on_deep_gemm`)."""
-    if hasattr(w_mod, "_deep_gemm_linear_data"):
-        return w_mod._deep_gemm_linear_data(module)
-    if _takes_linear(w_mod, module):
-        w, ws, _ = w_mod._extract_data_from_linear_base_module(module)
-        return w, ws
-    return None
-
-
 def plan(view, forced) -> list:
     jobs = gemm_jobs(view.worker.get_model(), view.max_num_batched_tokens)
     if not jobs:
         return [Step("block-FP8 GEMMs", KERNEL, skip="no layer runs on DeepGEMM")]
     calls = sum(len(job["counts"]) for job in jobs)
+    key = id(view.worker)
+    beside = key if view.before_profile_run and profile_run_compiles(view.worker.vllm_config) else None
     return [Step(f"{len(jobs)} weights, {calls} token counts", KERNEL, summary=True,
-                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(id(view.worker), None),
-                                           _sent.pop(id(view.worker), None)))]
+                 run=lambda: compile_ahead(jobs, view.device, view.tp_size, _early.pop(key, None), _sent.pop(key, None),
+                                           beside=beside))]
+
+
+def profile_run_compiles(vllm_config) -> bool:
+    """Whether vLLM's profile run starts with ``torch.compile`` (Dynamo's trace and Inductor's
+    compiles, tens of seconds on a cold cache, before the forward's first DeepGEMM call): not
+    ``enforce_eager``, and a compilation mode (0.24+ ``mode``, before it ``level``) other than
+    none."""
+    if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return False
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "mode", None)
+    mode = getattr(compilation, "level", None) if mode is None else mode
+    return bool(int(mode or 0))
 
 
 _early: dict = {}  # id(worker) -> (server, processes) before_load started, until model_built or the ahead run takes it
@@ -256,12 +263,13 @@ def checkpoint_block_fp8(engine_args) -> bool:
 
 def release(worker) -> None:
     """End the processes :func:`before_load` started for `worker` that no ahead run took (the
-    family skipped, or found no DeepGEMM layer), those :func:`model_built` sent work included."""
+    family skipped, or found no DeepGEMM layer), those :func:`model_built` sent work included.
+    What runs beside the profile run is the ahead run's: :func:`finish` waits for it."""
     early = _early.pop(id(worker), None)
     _stop([early[0]] if early else [])
     sent = _sent.pop(id(worker), None)
     if sent is not None:
-        _stop([sent["server"]])
+        _stop([sent["server"], sent.get("spare")])
         sent["claims"].cleanup()
 
 
@@ -296,46 +304,12 @@ def model_built(worker, model) -> None:
     _send(early[0], n, {"device": device.index or 0, "jobs": shapes, "work": work, "claims": claims.name,
                         "sent": time.time()}, pickle.dumps)
     del _early[id(worker)]
+    # a second parent imports now for what the ahead run finds after the load (MoE layers)
     _sent[id(worker)] = {"server": early[0], "processes": n, "jobs": jobs, "work": work, "claims": claims, "t0": t0,
-                         "before": cached_kernels(_cache_dir()), "calls": sum(len(job["counts"]) for job in jobs)}
+                         "before": cached_kernels(_cache_dir()), "calls": sum(len(job["counts"]) for job in jobs),
+                         "spare": start_forkserver()}
     logger.info("kwarm: deep_gemm: %d weights, %d token counts sent to %d compile processes as the model was "
                 "built, before its weights load", len(jobs), _sent[id(worker)]["calls"], n)
-
-
-def shape_jobs(model, max_tokens: int) -> list:
-    """The linear layers' jobs of a model built but not loaded, by shape: ``{"kind": "linear",
-    "shape": (N, K), "ws_shape", "counts"}``, one per distinct weight shape, for the layers
-    vLLM's warmup filter takes (0.20-0.32) or whose kernel vLLM chose is DeepGEMM's
-    (:func:`runs_on_deep_gemm`; vLLM chooses it as it creates the weights), with vLLM's own
-    counts. MoE layers set their experts up as their weights are processed: the ahead run
-    takes them (:func:`gemm_jobs`)."""
-    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
-    jobs, seen = [], set()
-    for module in model.modules():
-        if not _takes_linear(w_mod, module):
-            continue
-        w = getattr(module, "weight", None)
-        ws = getattr(module, "weight_scale_inv", None)
-        ws = getattr(module, "weight_scale", None) if ws is None else ws
-        if w is None or ws is None or w.ndim != 2 or tuple(w.shape) in seen:
-            continue
-        seen.add(tuple(w.shape))
-        counts = [(m, None, None) for m in w_mod._get_fp8_gemm_nt_m_values(w, max_tokens)]
-        jobs.append({"kind": "linear", "shape": tuple(w.shape), "ws_shape": tuple(ws.shape), "counts": counts})
-    return jobs
-
-
-def _takes_linear(w_mod, module) -> bool:
-    """Whether a linear layer runs on DeepGEMM by vLLM's kernel choice (:func:`runs_on_deep_gemm`)
-    or by the warmup filter of vLLM 0.20-0.32 (``_fp8_linear_may_use_deep_gemm``), loaded or not."""
-    may_use = getattr(w_mod, "_fp8_linear_may_use_deep_gemm", None)
-    return runs_on_deep_gemm(module) or (may_use is not None and may_use(module))
-
-
-def job_key(job: dict) -> tuple:
-    """What decides a job's kernels: its kind, N and K, and its counts (a job read from the
-    loaded model and one from its shapes alone match when these do)."""
-    return job["kind"], _shape(job)[-2:], tuple(job["counts"])
 
 
 CONTEXT_BYTES = 1 << 30  # a process's CUDA context and DeepGEMM's workspace, with room to spare
@@ -354,122 +328,34 @@ def fitting(jobs: list, free: int, total: int) -> int:
     return max(0, int(free - RESERVE_FRACTION * total) // per)
 
 
-def gemm_jobs(model, max_tokens: int) -> list:
-    """What the requests can run on DeepGEMM, from vLLM's own filters, kernel choice and lists:
-    one job per distinct weight, ``{"kind": "linear"|"grouped", "w", "ws", "counts": [(m, align,
-    expert_ids)]}`` (``align`` is None for linear layers; ``expert_ids`` is None: grouped calls
-    take theirs from the shared buffers, :func:`_buffers`). Weights vLLM's warmup already ran
-    in this process are left out, as it leaves them out."""
-    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
-    jobs, seen = [], set(getattr(w_mod, "FP8_GEMM_NT_WARMUP_CACHE", ()))
-    seen_grouped = set(getattr(w_mod, "GROUPED_FP8_GEMM_NT_CONTIGUOUS_WARMUP_CACHE", ()))
-    for module in model.modules():
-        if (data := linear_data(w_mod, module)) is not None:
-            w, ws = data
-            if w.size() in seen:
-                continue
-            seen.add(w.size())
-            counts = [(m, None, None) for m in w_mod._get_fp8_gemm_nt_m_values(w, max_tokens)]
-            jobs.append({"kind": "linear", "w": w, "ws": ws, "counts": counts})
-        elif w_mod._fused_moe_grouped_gemm_may_use_deep_gemm(module):
-            w13, w13_s, w2, w2_s, top_k = w_mod._extract_data_from_fused_moe_module(module)
-            if w13.size() in seen_grouped and w2.size() in seen_grouped:
-                continue
-            # what requests reach, and what vLLM's warmup will run after this family (its list
-            # has layouts of batches that go to the Triton fallback): all of it compiled here
-            _, _, cases = w_mod._get_grouped_gemm_params(w13, w2, top_k, max_tokens)
-            layouts = sorted({(m, align, None) for m, align, _ in cases}
-                             | set(grouped_layouts(module, w13, w2, top_k, max_tokens)))
-            for w, ws in ((w13, w13_s), (w2, w2_s)):
-                if layouts and w.size() not in seen_grouped:
-                    seen_grouped.add(w.size())
-                    jobs.append({"kind": "grouped", "w": w, "ws": ws, "counts": layouts})
-    return jobs
-
-
-def runs_on_deep_gemm(module) -> bool:
-    """Whether vLLM chose DeepGEMM for this linear layer (its ``fp8_linear`` kernel, or that
-    kernel's fallback for larger batches, is ``DeepGemmFp8BlockScaledMMKernel``), which vLLM's
-    warmup filter does not ask: it takes only weights whose N is a multiple of 128, while the
-    kernel runs every N that is a multiple of 64 (``should_use_deepgemm_for_fp8_linear``), so
-    MLA's fused q/kv down-projection (N = 2112 on DeepSeek-V3.2, 2624 on GLM-5) compiled its
-    kernels in requests (vLLM 0.24-0.33)."""
-    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
-    return any(getattr(k, "__name__", "") == "DeepGemmFp8BlockScaledMMKernel"
-               for k in (*type(kernel).__mro__, *type(getattr(kernel, "fallback", None)).__mro__))
-
-
-def grouped_layouts(module, w13, w2, top_k: int, max_tokens: int) -> list:
-    """Every ``(M_sum, alignment, None)`` a MoE layer's grouped GEMM can be called with, from
-    vLLM's own code: a batch of M tokens is permuted into ``M_sum`` rows, each expert's rows
-    padded to the alignment (``compute_aligned_M_and_alignment``, with no per-expert counts on
-    the CPU, as the non-EP path calls it), for every M that takes DeepGEMM's path: M up to the
-    tokens of one MoE call (DP ranks x ``max_num_batched_tokens``, as vLLM's warmup assumes),
-    from the alignment up where the experts fall back to Triton below it
-    (``TritonOrDeepGemmExperts``, vLLM's own ``_valid_deep_gemm_shape``).
-    DeepGEMM picks the kernel (block N, multicast, stages) from ``M_sum``'s waves, so each
-    layout is a call: those sharing a kernel load it from the cache."""
-    from vllm.model_executor.layers.fused_moe import deep_gemm_utils
-    from vllm.utils.deep_gemm import get_mk_alignment_for_contiguous_layout
-
-    w_mod = __import__(WARMUP_MODULE, fromlist=["_"])
-    tokens = max_tokens * w_mod.get_dp_group().world_size
-    block_m = get_mk_alignment_for_contiguous_layout()[0]
-    takes = _deep_gemm_takes(module)
-    _, k, n = w2.size()
-    layouts = {}
-    for m in range(1, tokens + 1):
-        if takes is not None and not takes(m, n, k):
-            continue
-        m_sum, align = deep_gemm_utils.compute_aligned_M_and_alignment(
-            M=m, num_topk=top_k, local_num_experts=w13.size(0), alignment=block_m, expert_tokens_meta=None)
-        layouts[(m_sum, align)] = None
-    return [(m_sum, align, None) for m_sum, align in sorted(layouts)]
-
-
-def fused_experts(module):
-    """A MoE layer's experts implementation, where vLLM's own warmup filter reads it:
-    ``moe_kernel.impl.fused_experts`` of the layer's quant method (the ``MoERunner``'s
-    ``_quant_method`` on 0.24-0.33, the ``FusedMoE`` layer's ``quant_method`` on 0.20-0.23);
-    None where the layer has no modular kernel."""
-    method = getattr(module, "_quant_method", None) or getattr(module, "quant_method", None)
-    kernel = getattr(method, "moe_kernel", None)
-    return getattr(getattr(kernel, "impl", None), "fused_experts", None)
-
-
-def _deep_gemm_takes(module):
-    """vLLM's test of whether M tokens go to DeepGEMM rather than the Triton fallback, where the
-    layer's experts have one (``TritonOrDeepGemmExperts`` calls ``_valid_deep_gemm_shape(M, N,
-    K)``; on GPUs with E8M0 scales everything goes to DeepGEMM); None: every M does."""
-    experts = fused_experts(module)
-    if experts is None or type(experts).__name__ != "TritonOrDeepGemmExperts":
-        return None
-    owner = sys.modules[type(experts).__module__]
-    if getattr(owner, "is_deep_gemm_e8m0_used", lambda: False)():
-        return None
-    return getattr(owner, "_valid_deep_gemm_shape", None)
-
-
-def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> list:
+def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None, beside=None) -> list:
     """Every count of every job on compile processes: first waits for the work :func:`model_built`
     `sent` (if any) and leaves out the jobs it covered; the rest on processes forked by `early`
-    (:func:`before_load`'s ``(server, processes)``) or a new server, unless a probe of the first
-    job's first count finds the cache warm; a cache holding no DeepGEMM GEMM (or one found so
-    before the load) is cold without a probe. Returns the step's labels (what ran, where, what it left in the cache)."""
+    (:func:`before_load`'s ``(server, processes)``), the spare parent :func:`model_built` started,
+    or a new server, unless a probe of the first job's first count finds the cache warm; a cache
+    holding no DeepGEMM GEMM (or one found so before the load) is cold without a probe. With
+    `beside` (the worker's id: vLLM's profile run comes next and starts with ``torch.compile``)
+    and work sent, nothing waits here: :func:`compile_beside`. Returns the step's labels (what
+    ran, where, what it left in the cache)."""
     import torch
 
     cache = _cache_dir()
     labels = []
+    spare = None
     if sent is not None:
+        spare = sent.pop("spare", None)
+        covered = {job_key(job) for job in sent["jobs"]}
+        jobs = [job for job in jobs if job_key(job) not in covered]
+        if beside is not None:
+            _stop([early[0]] if early else [])
+            return compile_beside(beside, sent, jobs, device, tp_size, spare, cache)
         try:
             labels.append(_finish(sent, cache))
         except BaseException:
-            _stop([early[0]] if early else [])
+            _stop([early[0] if early else None, spare])
             raise
-        covered = {job_key(job) for job in sent["jobs"]}
-        jobs = [job for job in jobs if job_key(job) not in covered]
         if not jobs:
-            _stop([early[0]] if early else [])
+            _stop([early[0] if early else None, spare])
             return labels
     before = cached_kernels(cache)
     children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
@@ -481,7 +367,7 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> li
     if early and early[0][0].poll() is not None:  # it exited (its stderr is lost with it): a new one
         _stop([early[0]])
         early = (start_forkserver(), early[1])
-    server = early[0] if early else (start_forkserver() if cold else None)  # imports while the probe runs
+    server = early[0] if early else (_alive(spare) if cold else None)  # imports while the probe runs
     try:
         if cold:
             how = ("no GEMM in the cache, no probe; their parent started beside weight loading"
@@ -500,15 +386,91 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None) -> li
         outcomes = run_children(work, children, jobs, buffers, device, server=server)
     finally:
         _stop([server])  # unused (warm probe) or failed: none outlives the step
-    wall_s, new = time.perf_counter() - t0, cached_kernels(cache) - before
-    return labels + [f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs "
-                     f"pulled by {len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s "
-                     f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "
-                     f"longest runs {longest_runs(work, jobs, outcomes)})"]
+    return labels + [_ran(how, jobs, work, outcomes, cached_kernels(cache) - before, time.perf_counter() - t0, cache)]
 
 
-def _finish(sent: dict, cache: str) -> str:
-    """Wait for the processes :func:`model_built` sent work; the label of what they did."""
+def _alive(server):
+    """`server` (a parent started earlier) if it still runs, else a new one."""
+    if server is not None and server[0].poll() is None:
+        return server
+    _stop([server])
+    return start_forkserver()
+
+
+def _ran(how: str, jobs: list, work: list, outcomes: list, new: int, wall_s: float, cache: str) -> str:
+    """The label of one set of compile processes' work: how, what, by how many, what it left."""
+    return (f"{how}; {len(jobs)} weights, {sum(len(j['counts']) for j in jobs)} calls in {len(work)} runs "
+            f"pulled by {len(outcomes)} processes; {new} kernels new in {cache}, {wall_s:.0f} s "
+            f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "
+            f"longest runs {longest_runs(work, jobs, outcomes)})")
+
+
+_pending: dict = {}  # id(worker) -> what compiles beside vLLM's profile run, until finish waits for it
+
+
+def compile_beside(key, sent: dict, jobs: list, device: str, tp_size, spare, cache: str) -> list:
+    """Leave the work :func:`model_built` `sent` compiling, send `jobs` (what the loaded model
+    adds: MoE layers, whose experts are set up as their weights load) to the spare parent's
+    processes, and return without waiting: :func:`finish` waits for both once vLLM's profile run
+    has returned (kwarm_ext/warmup.py, ``beside_profile_run``).
+
+    Why: the ahead run waited here for every kernel, 40 s after the load for GLM-5's FP8
+    dimensions on vLLM 0.29.0 (BENCHMARKS.md), while the profile run that followed spent its
+    first tens of seconds in ``torch.compile`` (Dynamo's trace, Inductor's compiles), which
+    calls no DeepGEMM kernel. Beside it, the processes finish what they have; the profile run's
+    own kernels (each weight at ``max_num_batched_tokens``) come first in their work list
+    (:func:`chunks`), and one the forward reaches before a process built it is compiled by the
+    forward itself, as without kwarm. The processes make their scratch buffers themselves, so
+    none of it is in the engine's memory, which the profile run measures; they have exited
+    before vLLM reads the GPU's free memory after it."""
+    import torch
+
+    pending = {"sent": sent, "rest": None, "cache": cache}
+    try:
+        if jobs:
+            children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
+            work = chunks([job["counts"] for job in jobs])
+            spare = _alive(spare)
+            pending["rest"] = {"jobs": jobs, "work": work, "before": cached_kernels(cache), "t0": time.perf_counter(),
+                               "started": start_children(work, min(children, len(work)), jobs, None, device, spare)}
+        else:
+            _stop([spare])
+    except BaseException:
+        _stop([sent["server"], spare])
+        sent["claims"].cleanup()
+        raise
+    _pending[key] = pending
+    rest = pending["rest"]
+    more = (f", {len(jobs)} found after the load ({sum(len(j['counts']) for j in jobs)} calls) on "
+            f"{rest['started']['children']} more" if rest else "")
+    return [f"{len(sent['jobs'])} weights sent to {sent['processes']} processes as the model was built{more}: "
+            f"compiling beside vLLM's profile run (its torch.compile first)"]
+
+
+def finish(worker) -> list:
+    """Wait for what :func:`compile_beside` left compiling for `worker`; the labels of what it
+    did ([]: nothing was left). Every process has exited when it returns, failed or not."""
+    pending = _pending.pop(id(worker), None)
+    if pending is None:
+        return []
+    rest, waited = pending["rest"], time.perf_counter()
+    try:
+        labels = [_finish(pending["sent"], pending["cache"], after="vLLM's profile run")]
+        if rest is not None:
+            outcomes = finish_children(rest["started"])
+            labels.append(_ran("found after the load, beside vLLM's profile run", rest["jobs"], rest["work"],
+                               outcomes, cached_kernels(pending["cache"]) - rest["before"],
+                               time.perf_counter() - rest["t0"], pending["cache"]))
+    finally:
+        if rest is not None:
+            _stop([rest["started"]["server"]])
+            rest["started"]["claims"].cleanup()
+    return labels + [f"waited {time.perf_counter() - waited:.1f} s after vLLM's profile run"]
+
+
+def _finish(sent: dict, cache: str, after: str = "the load") -> str:
+    """Wait for the processes :func:`model_built` sent work; the label of what they did (how long
+    the wait took, `after` what)."""
     waited = time.perf_counter()
     try:
         outcomes = _collect(sent["server"], sent["processes"])
@@ -519,7 +481,7 @@ def _finish(sent: dict, cache: str) -> str:
     wall_s, new = end - sent["t0"], cached_kernels(cache) - sent["before"]
     return (f"{len(sent['jobs'])} weights, {sent['calls']} calls in {len(sent['work'])} runs sent to {len(outcomes)} "
             f"processes as the model was built, before its weights loaded; {new} kernels new in {cache}, "
-            f"{wall_s:.0f} s from then, {end - waited:.1f} s of it after the load "
+            f"{wall_s:.0f} s from then, {end - waited:.1f} s of it after {after} "
             f"({_throughput(new, wall_s, outcomes)}; {readiness(outcomes)}; "
             f"longest runs {longest_runs(sent['work'], sent['jobs'], outcomes)})")
 

@@ -54,8 +54,10 @@ def _kill(proc) -> None:
 
 
 def chunks(counts_per_job: list, size: int = RUN_COUNTS) -> list:
-    """The work list the children pull from: ``[(job index, counts)]``, each a run of at most
-    `size` consecutive token counts of one weight (sorted by M), every count once; each
+    """The work list the children pull from: ``[(job index, counts)]``, every count once: first
+    each weight's largest count alone (``max_num_batched_tokens``, the count of vLLM's profile
+    run, which may run beside the compiles: :func:`kwarm_ext.kernels.deep_gemm.compile_ahead`),
+    then runs of at most `size` consecutive token counts of one weight (sorted by M), each
     weight's runs in :func:`spread` order, interleaved across weights (each weight's first run,
     then each one's second, ...).
 
@@ -71,8 +73,9 @@ def chunks(counts_per_job: list, size: int = RUN_COUNTS) -> list:
     runs = []
     for j, counts in enumerate(counts_per_job):
         ordered = sorted(counts, key=lambda c: c[0])
+        largest, ordered = ordered[-1:], ordered[:-1]
         own = [ordered[i:i + size] for i in range(0, len(ordered), size)]
-        runs.append([(j, own[i]) for i in spread(len(own))])
+        runs.append([(j, largest)] * bool(largest) + [(j, own[i]) for i in spread(len(own))])
     return [run for level in itertools.zip_longest(*runs) for run in level if run is not None]
 
 
@@ -247,6 +250,13 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     left. Each gets the jobs' tensors and the buffers through CUDA IPC (torch's multiprocessing
     pickler). Returns each process's ``{"calls", "runs", "seconds", "run_s", "ready", "done"}``;
     raises one line naming the first failure."""
+    return finish_children(start_children(work, children, jobs, buffers, device, server=server))
+
+
+def start_children(work: list, children: int, jobs: list, buffers: dict | None, device: str, server=None) -> dict:
+    """:func:`run_children` without the wait: the work is out; :func:`finish_children` waits for
+    it. With `buffers` None each process makes its own scratch for each run (none of it in this
+    process's memory, which vLLM's profile run measures while they run)."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
@@ -256,13 +266,25 @@ def run_children(work: list, children: int, jobs: list, buffers: dict, device: s
     shared = {j: {"kind": jobs[j]["kind"], "w": jobs[j]["w"], "ws": jobs[j]["ws"]} for j, _ in work}
     server = server or start_forkserver()
     try:
-        _send(server, max(1, children), {"device": index, "jobs": shared, "work": work, "claims": claims.name,
-                                         "buffers": buffers, "sent": time.time()},
-              lambda payload: bytes(ForkingPickler.dumps(payload)))
-        return _collect(server, max(1, children))  # `jobs` and `buffers` stay alive here until all are done
-    finally:
+        payload = {"device": index, "jobs": shared, "work": work, "claims": claims.name, "sent": time.time()}
+        if buffers is not None:
+            payload["buffers"] = buffers
+        _send(server, max(1, children), payload, lambda payload: bytes(ForkingPickler.dumps(payload)))
+    except BaseException:
         _stop([server])
         claims.cleanup()
+        raise
+    # `jobs` and `buffers` stay alive with the handle until every process is done with them
+    return {"server": server, "children": max(1, children), "claims": claims, "jobs": jobs, "buffers": buffers}
+
+
+def finish_children(started: dict) -> list:
+    """Wait for what :func:`start_children` started; each process's outcome (see :func:`run_children`)."""
+    try:
+        return _collect(started["server"], started["children"])
+    finally:
+        _stop([started["server"]])
+        started["claims"].cleanup()
 
 
 def _send(server: tuple, children: int, payload: dict, dumps) -> None:
@@ -363,7 +385,8 @@ def forkserver() -> None:
 def child(path: str) -> None:
     """A compile process: read the pickled payload at `path`, run every run of the work list it
     claims first, print one JSON line. The weights and buffers are the engine's, mapped through
-    CUDA IPC, or, for jobs sent by shape, its own (:func:`made_tensors`)."""
+    CUDA IPC, or, for jobs sent by shape, its own (:func:`made_tensors`); the scratch buffers
+    the engine's, or (none sent) its own for each run."""
     import torch
 
     with open(path, "rb") as f:
@@ -384,6 +407,7 @@ def child(path: str) -> None:
                 made.clear()
                 made[j] = made_tensors(job, torch.device("cuda", payload["device"]))
             job = made[j]
+        if buffers is None:  # sent by shape, or beside the profile run: scratch of its own, this run's size
             buffers = _buffers([dict(job, counts=counts)], job["w"].device)
         calls += run_counts([job], [counts], buffers, compiled)
         runs += 1
