@@ -468,10 +468,15 @@ def test_processes_fit_the_gpus_free_memory_beside_the_weights():
     # context each; a tenth of the GPU left to vLLM
     jobs = [{"shape": (36864, 7168), "counts": [(1, None, None), (8192, None, None)]},
             {"shape": (2112, 7168), "counts": [(8192, None, None)]}]
-    per = dg.CONTEXT_BYTES + 36864 * 7168 + 4 * 36864 * 56 + 8192 * (7168 + 4 * 56 + 2 * 36864)
+    per = dg.CONTEXT_BYTES + 36864 * 7168 + 4 * 36864 * 56 + 8192 * (7168 + 4 * 56 + 2 * 36864 + 4)
     gib = 1 << 30
     assert dg.fitting(jobs, 100 * gib, 140 * gib) == int(100 * gib - 14 * gib) // per == 45
     assert dg.fitting(jobs, 14 * gib, 140 * gib) == 0, "nothing beside a GPU the weights fill"
+    # beside the profile run, on the engine's weights through CUDA IPC: each process's scratch only
+    # (a grouped weight: experts x N x K, its largest layout of M_sum rows)
+    grouped = [{"w": torch.empty(256, 4096, 7168, device="meta"), "counts": [(128, 128, None), (67584, 128, None)]}]
+    assert dg.fitting(grouped, 20 * gib, 140 * gib, shared_weights=True) == int(
+        6 * gib) // (dg.CONTEXT_BYTES + 67584 * (7168 + 4 * 56 + 2 * 4096 + 4)) == 3
 
 
 def test_the_ahead_run_waits_for_the_work_sent_as_the_model_was_built_and_runs_only_the_rest(monkeypatch, tmp_path):
@@ -576,6 +581,18 @@ def test_beside_the_profile_run_the_weights_found_after_the_load_go_out_and_a_fa
     message = str(err.value)
     assert "\n" not in message and message.startswith("2 of 2 DeepGEMM compile processes failed (exit 2); first: ")
     assert rest["started"]["server"][0].poll() is not None and id(worker) not in dg._pending
+
+
+def test_beside_the_profile_run_nothing_starts_where_no_process_fits_beside_it(monkeypatch, tmp_path):
+    # a GPU the weights fill: no scratch of a process's own fits beside a tenth left to the
+    # profile run, so the ahead run does not go beside it (it waits, as in eager mode)
+    monkeypatch.setattr(dg.triton_compile, "compile_threads", lambda tp_size: 17)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (14 << 30, 140 << 30))
+    grouped = {"kind": "grouped", "w": torch.empty(256, 4096, 7168, device="meta"), "ws": None,
+               "counts": [(67584, 128, None)]}
+    worker = object()
+    assert dg.compile_beside(id(worker), {"jobs": []}, [grouped], "cuda:0", 1, None, str(tmp_path)) is None
+    assert id(worker) not in dg._pending
 
 
 def test_work_goes_out_as_vllm_builds_the_model_and_a_failing_process_is_one_line(monkeypatch, kwarm_env, kwarm_log,

@@ -316,13 +316,15 @@ CONTEXT_BYTES = 1 << 30  # a process's CUDA context and DeepGEMM's workspace, wi
 RESERVE_FRACTION = 0.1  # of the GPU's memory, left to vLLM's weight processing while the processes run
 
 
-def fitting(jobs: list, free: int, total: int) -> int:
+def fitting(jobs: list, free: int, total: int, shared_weights: bool = False) -> int:
     """How many processes making their own tensors for `jobs` (the largest weight at its
-    largest count: weight, scales, activations and output) fit in `free` bytes of the GPU, a
+    largest count: weight, scales, activations, output and expert ids; with `shared_weights`,
+    the engine's weights through CUDA IPC, only the rest) fit in `free` bytes of the GPU, a
     tenth of its `total` left to vLLM."""
     def need(job):
-        (n, k), m = job["shape"], max(c[0] for c in job["counts"])
-        return n * k + 4 * n * _scale_cols(k) + m * (k + 4 * _scale_cols(k) + 2 * n)
+        (n, k), m = _shape(job)[-2:], max(c[0] for c in job["counts"])
+        weights = 0 if shared_weights else n * k + 4 * n * _scale_cols(k)
+        return weights + m * (k + 4 * _scale_cols(k) + 2 * n + 4)
 
     per = CONTEXT_BYTES + max(need(job) for job in jobs)
     return max(0, int(free - RESERVE_FRACTION * total) // per)
@@ -346,9 +348,9 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None, besid
         spare = sent.pop("spare", None)
         covered = {job_key(job) for job in sent["jobs"]}
         jobs = [job for job in jobs if job_key(job) not in covered]
-        if beside is not None:
+        if beside is not None and (label := compile_beside(beside, sent, jobs, device, tp_size, spare, cache)):
             _stop([early[0]] if early else [])
-            return compile_beside(beside, sent, jobs, device, tp_size, spare, cache)
+            return label
         try:
             labels.append(_finish(sent, cache))
         except BaseException:
@@ -408,7 +410,7 @@ def _ran(how: str, jobs: list, work: list, outcomes: list, new: int, wall_s: flo
 _pending: dict = {}  # id(worker) -> what compiles beside vLLM's profile run, until finish waits for it
 
 
-def compile_beside(key, sent: dict, jobs: list, device: str, tp_size, spare, cache: str) -> list:
+def compile_beside(key, sent: dict, jobs: list, device: str, tp_size, spare, cache: str) -> list | None:
     """Leave the work :func:`model_built` `sent` compiling, send `jobs` (what the loaded model
     adds: MoE layers, whose experts are set up as their weights load) to the spare parent's
     processes, and return without waiting: :func:`finish` waits for both once vLLM's profile run
@@ -422,17 +424,22 @@ def compile_beside(key, sent: dict, jobs: list, device: str, tp_size, spare, cac
     (:func:`chunks`), and one the forward reaches before a process built it is compiled by the
     forward itself, as without kwarm. The processes make their scratch buffers themselves, so
     none of it is in the engine's memory, which the profile run measures; they have exited
-    before vLLM reads the GPU's free memory after it."""
+    before vLLM reads the GPU's free memory after it. Returns None, having started nothing,
+    where not one such process fits in the GPU's free memory beside a tenth of it left to the
+    profile run (:func:`fitting`): the ahead run then waits, as in eager mode."""
     import torch
 
     pending = {"sent": sent, "rest": None, "cache": cache}
+    work = chunks([job["counts"] for job in jobs])
+    children = min(compile_processes(tp_size), len(work),
+                   fitting(jobs, *torch.cuda.mem_get_info(device), shared_weights=True)) if jobs else 0
+    if jobs and children < 1:
+        return None
     try:
         if jobs:
-            children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
-            work = chunks([job["counts"] for job in jobs])
             spare = _alive(spare)
             pending["rest"] = {"jobs": jobs, "work": work, "before": cached_kernels(cache), "t0": time.perf_counter(),
-                               "started": start_children(work, min(children, len(work)), jobs, None, device, spare)}
+                               "started": start_children(work, children, jobs, None, device, spare)}
         else:
             _stop([spare])
     except BaseException:
