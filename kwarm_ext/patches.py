@@ -34,7 +34,9 @@ of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
 
 Elsewhere, by design: the scoped, instance-level ``run`` shadows of compile-ahead and launch
 recording (``triton_compile.launches_compile_only``, ``kernels/launches.observed_launches``),
-which patch Triton objects for the length of a ``with`` block.
+which patch Triton objects for the length of a ``with`` block, and the model runner's
+``profile_run`` shadowed on the instance for one ``determine_available_memory`` call
+(``warmup.beside_profile_run``, documented at :func:`_wrap_determine_available_memory`).
 """
 from __future__ import annotations
 

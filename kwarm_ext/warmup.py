@@ -168,26 +168,44 @@ def beside_profile_run(worker):
     ``profile_run`` shadowed on the instance, so that :func:`finish_ahead` runs the moment it
     returns, before vLLM reads the GPU's free memory after it (the compile processes, whose
     memory is not the engine's, have exited by then); the shadow goes on exit, and
-    :func:`finish_ahead` runs there too where the profile run did not (a no-op when it did)."""
-    runner = getattr(worker, "model_runner", None)
-    profile_run = getattr(runner, "profile_run", None)
-    own = runner is not None and "profile_run" in vars(runner)
-    if callable(profile_run) and id(worker) in _ahead:
-        def then_finish(*args, **kwargs):
-            try:
-                return profile_run(*args, **kwargs)
-            finally:
-                finish_ahead(worker)
-
-        runner.profile_run = then_finish
+    :func:`finish_ahead` runs there too where the profile run did not (a no-op when it did).
+    A runner that takes no shadow is one warning: the wait then comes after the memory read."""
+    restore = None
+    with fail_open("could not shadow the model runner's profile_run, kwarm's ahead work is waited for "
+                   "after vLLM's memory profiling"):
+        restore = _shadow_profile_run(worker)
     try:
         yield
     finally:
+        with fail_open("could not restore the model runner's profile_run"):
+            if restore is not None:
+                restore()
+        finish_ahead(worker)
+
+
+def _shadow_profile_run(worker):
+    """Shadow `worker`'s ``model_runner.profile_run`` with one that runs :func:`finish_ahead`
+    once it returns; the function that undoes it (None: nothing to wait for, or no runner)."""
+    runner = getattr(worker, "model_runner", None)
+    profile_run = getattr(runner, "profile_run", None)
+    if not callable(profile_run) or id(worker) not in _ahead:
+        return None
+    own = "profile_run" in vars(runner)
+
+    def then_finish(*args, **kwargs):
+        try:
+            return profile_run(*args, **kwargs)
+        finally:
+            finish_ahead(worker)
+
+    runner.profile_run = then_finish
+
+    def restore():
         if own:
             runner.profile_run = profile_run
-        elif runner is not None:
-            vars(runner).pop("profile_run", None)
-        finish_ahead(worker)
+        else:
+            del runner.profile_run
+    return restore
 
 
 def before_load(worker) -> None:

@@ -257,6 +257,38 @@ def test_compiles_left_beside_the_profile_run_are_waited_for_as_it_returns(monke
     assert any("deep_gemm: done beside vLLM's profile run: waited 2.0 s" in m for m in kwarm_log.messages(logging.INFO))
 
 
+def test_a_runner_that_takes_no_shadow_is_one_warning_and_the_wait_comes_after(monkeypatch, kwarm_env, kwarm_log):
+    import types
+
+    from kwarm_ext import patches, warmup
+    from kwarm_ext.kernels import deep_gemm
+
+    kwarm_env(KWARM_WARMUPS="deep_gemm")
+    calls = []
+    monkeypatch.setattr(warmup, "ahead", lambda worker, before_profile_run=False: warmup._ahead.setdefault(
+        id(worker), ([warmup.FamilyResult("deep_gemm", status="ran")], 0.0))[0])
+    monkeypatch.setattr(deep_gemm, "finish", lambda worker: calls.append("finish") or [])
+
+    class Runner:  # no instance dict: nothing can be shadowed on it
+        __slots__ = ()
+
+        def profile_run(self):
+            calls.append("profile_run")
+
+    module = types.ModuleType("stand_in_gpu_worker")
+    module.Worker = type("Worker", (), {"determine_available_memory":
+                                        lambda self: self.model_runner.profile_run() or calls.append("read") or 7})
+    patches.patch_before_profile(module)
+    worker = module.Worker()
+    worker.model_runner = Runner()
+    assert worker.determine_available_memory() == 7
+    assert calls == ["profile_run", "read", "finish"]
+    (warning,) = [m for m in kwarm_log.messages() if "profile_run" in m]
+    assert warning.startswith("kwarm: could not shadow the model runner's profile_run, kwarm's ahead work is "
+                              "waited for after vLLM's memory profiling: TypeError: ")
+    warmup._ahead.pop(id(worker))
+
+
 def test_a_failing_ahead_before_the_profile_run_is_one_warning(monkeypatch, kwarm_env, kwarm_log):
     import types
 

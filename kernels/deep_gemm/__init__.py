@@ -416,13 +416,15 @@ def compile_beside(key, sent: dict, jobs: list, device: str, tp_size, spare, cac
     processes, and return without waiting: :func:`finish` waits for both once vLLM's profile run
     has returned (kwarm_ext/warmup.py, ``beside_profile_run``).
 
-    Why: the ahead run waited here for every kernel, 40 s after the load for GLM-5's FP8
-    dimensions on vLLM 0.29.0 (BENCHMARKS.md), while the profile run that followed spent its
-    first tens of seconds in ``torch.compile`` (Dynamo's trace, Inductor's compiles), which
-    calls no DeepGEMM kernel. Beside it, the processes finish what they have; the profile run's
-    own kernels (each weight at ``max_num_batched_tokens``) come first in their work list
-    (:func:`chunks`), and one the forward reaches before a process built it is compiled by the
-    forward itself, as without kwarm. The processes make their scratch buffers themselves, so
+    Why: the ahead run waits for every kernel, 35-40 s after the load for GLM-5's FP8
+    dimensions (vLLM 0.29.0, BENCHMARKS.md). Where the profile run that follows starts with
+    ``torch.compile`` (0.20-0.28; 0.29+ unless vLLM turns it off, as it does for DeepSeek-V3.2
+    and GLM-5 with its breakable CUDA graphs, seen in 0.29.0's and 0.33.0's logs), its first
+    tens of seconds (Dynamo's trace, Inductor's compiles) call no DeepGEMM kernel. Beside them,
+    the processes finish what they have; the profile run's own kernels (each weight at
+    ``max_num_batched_tokens``) come first in their work list (:func:`chunks`), and one the
+    forward reaches before a process built it is compiled by the forward itself, as without
+    kwarm. The processes make their scratch buffers themselves, so
     none of it is in the engine's memory, which the profile run measures; they have exited
     before vLLM reads the GPU's free memory after it. Returns None, having started nothing,
     where not one such process fits in the GPU's free memory beside a tenth of it left to the
