@@ -82,7 +82,6 @@ COLD_PROBE_S = 0.5  # a call slower than this compiled its kernel (a cache load 
 # auto's cap (KWARM_COMPILE_PROCESSES raises it): the data-parallel engines of one host each take
 # their share of its cores, and each compile process holds a CUDA context
 MAX_CHILDREN = 16
-CHILD_GPU_BYTES = 1 << 30  # a child's CUDA context and DeepGEMM's workspace, with room to spare
 
 
 def applies(view) -> str | None:
@@ -360,7 +359,7 @@ def compile_ahead(jobs: list, device: str, tp_size, early=None, sent=None, besid
             _stop([early[0] if early else None, spare])
             return labels
     before = cached_kernels(cache)
-    children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CHILD_GPU_BYTES))
+    children = max(1, min(compile_processes(tp_size), torch.cuda.mem_get_info(device)[0] // CONTEXT_BYTES))
     work = chunks([job["counts"] for job in jobs])
     children = min(children, len(work))
     cold = bool(early) or sent is not None or cached_kernels(cache, "gemm") == 0
@@ -465,15 +464,16 @@ def finish(worker) -> list:
     rest, waited = pending["rest"], time.perf_counter()
     try:
         labels = [_finish(pending["sent"], pending["cache"], after="vLLM's profile run")]
-        if rest is not None:
-            outcomes = finish_children(rest["started"])
-            labels.append(_ran("found after the load, beside vLLM's profile run", rest["jobs"], rest["work"],
-                               outcomes, cached_kernels(pending["cache"]) - rest["before"],
-                               time.perf_counter() - rest["t0"], pending["cache"]))
-    finally:
+    except BaseException:  # the rest is not waited for: it ends with the step
         if rest is not None:
             _stop([rest["started"]["server"]])
             rest["started"]["claims"].cleanup()
+        raise
+    if rest is not None:
+        outcomes = finish_children(rest["started"])  # ends them, failed or not
+        labels.append(_ran("found after the load, beside vLLM's profile run", rest["jobs"], rest["work"], outcomes,
+                           cached_kernels(pending["cache"]) - rest["before"], time.perf_counter() - rest["t0"],
+                           pending["cache"]))
     return labels + [f"waited {time.perf_counter() - waited:.1f} s after vLLM's profile run"]
 
 
