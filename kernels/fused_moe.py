@@ -41,8 +41,9 @@ How:
        On empty caches this is most of the family's cost (35 compiles: 18 s one by one on
        Qwen3-Next-80B dimensions, 5.6 s with this step, BENCHMARKS.md). Skipped under
        Triton's interpreter, and, in a worker without torch.distributed peers, when the probe
-       ran faster than ``COLD_PROBE_S`` (its compiles were loads from Triton's cache, so the
-       dummy runs would run twice for nothing: 1.4 s of a 2.3 s family on a warm restart).
+       took less than ``COLD_PROBE_S`` longer than its rerun at the same count (its compiles
+       were loads from Triton's cache, so the dummy runs would run twice for nothing: 1.4 s of
+       a 2.3 s family on a warm restart).
        With peers (tensor, data or expert parallel) the pass always runs: the probe's time
        differs per rank, and every rank must run the same dummy runs for their collectives.
     4. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
@@ -89,8 +90,11 @@ _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe
 _KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
 # The probe's dummy run meets the kernel's first two specializations: on empty caches two
 # compiles of about 0.5 s each (35 took 18 s one by one on Qwen3-Next-80B dimensions, H200,
-# vLLM 0.24.0), on a warm restart two loads from Triton's cache. Below this, the compiles were
-# loads, and compiling ahead would only run the dummy runs twice (the summary gives the probe's time).
+# vLLM 0.24.0), on a warm restart two loads from Triton's cache. When the probe took less than
+# this longer than its rerun, the compiles were loads, and compiling ahead would only run the
+# dummy runs twice (the summary gives both times). The probe alone is no measure: the forward
+# itself takes a varying share (published-size Qwen3-Next, vLLM 0.29.0, four engines on one
+# GPU: a warm probe of 0.34 s sent a warm restart through a 2.1 s compile-ahead pass).
 COLD_PROBE_S = 0.3
 _MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
 
@@ -275,10 +279,17 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         step = max(period(c.top_k) for c in calls)
         spans = regions(config_fn, calls, first, last)
         sizes = representatives(spans, step)
-        if probe_s >= COLD_PROBE_S or not alone:
+        if not alone:
             ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" (probe {probe_s:.2f} s)"
-        else:  # its compiles were loads from Triton's cache: a second pass would only cost
-            ahead = f"no compile ahead (the probe took {probe_s:.2f} s: Triton's cache is warm)"
+        else:
+            t0 = time.perf_counter()
+            dummy_run(first)  # the probe again, nothing left to compile or load: the run alone
+            rerun_s = time.perf_counter() - t0
+            timing = f"probe {probe_s:.2f} s, its rerun {rerun_s:.2f} s"
+            if probe_s - rerun_s >= COLD_PROBE_S:
+                ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" ({timing})"
+            else:  # its compiles were loads from Triton's cache: a second pass would only cost
+                ahead = f"no compile ahead ({timing}: Triton's cache is warm)"
         for m in sizes:
             if m != first:
                 dummy_run(m)

@@ -122,3 +122,32 @@ def test_triton_attn_compile_ahead_failing_is_one_warning_naming_the_group(monke
     warnings = kwarm_log.messages()
     assert len(warnings) == 1 and warnings[0].startswith("kwarm: triton_attn: group 3: compile ahead failed"), warnings
     assert "run" not in vars(kernel)
+
+
+@pytest.mark.parametrize("probe_extra_s, compiles_ahead", [(0.45, True), (0.0, False)])
+def test_the_probe_against_its_rerun_decides_the_compile_ahead_pass(monkeypatch, probe_extra_s, compiles_ahead):
+    """Alone, the pass runs when the probe took ``COLD_PROBE_S`` longer than its rerun (it
+    compiled), not when it was slow only because the forward is (a warm restart beside other
+    engines): the dummy runs call vLLM's real ``try_get_optimal_moe_config`` by its module."""
+    import time
+
+    import vllm.platforms
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    # the only part of the GPU vLLM's config lookup asks for (its tuned tables are per device)
+    monkeypatch.setattr(vllm.platforms.current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
+    config_fn = fm.try_get_optimal_moe_config
+    runs, passes = [], []
+
+    def dummy_run(m):
+        runs.append(m)
+        time.sleep(0.1 + (probe_extra_s if len(runs) == 1 else 0.0))  # a slow forward, and the probe's compiles
+        fm.try_get_optimal_moe_config((8, 512, 1024), (8, 1024, 256), 2, None, m, None)
+
+    monkeypatch.setattr(fused_moe, "compile_ahead", lambda run, sizes, threads: passes.append(sizes) or "compiled ahead")
+    details = {}
+    fused_moe.warm_eager_sizes(config_fn, dummy_run, 33, 64, threads=4, alone=True, details=details)
+    assert runs[:2] == [33, 33], "the probe, then its rerun"
+    assert bool(passes) is compiles_ahead, details["summary"]
+    assert "its rerun" in details["summary"]
+    assert fm.try_get_optimal_moe_config is config_fn
