@@ -41,9 +41,10 @@ How:
        On empty caches this is most of the family's cost (35 compiles: 18 s one by one on
        Qwen3-Next-80B dimensions, 5.6 s with this step, BENCHMARKS.md). Skipped under
        Triton's interpreter, and, in a worker without torch.distributed peers, when the probe
-       took less than ``COLD_PROBE_S`` longer than its rerun at the same count (its compiles
-       were loads from Triton's cache, so the dummy runs would run twice for nothing: 1.4 s of
-       a 2.3 s family on a warm restart).
+       compiled nothing: it added no kernel to Triton's on-disk cache, so its kernels were
+       loads and the dummy runs would run twice for nothing (1.4 s of a 2.3 s family on a
+       warm restart). Where that cache cannot be counted (a cache manager of the user's own),
+       the probe's time against its rerun at the same count decides (``COLD_PROBE_S``).
        With peers (tensor, data or expert parallel) the pass always runs: the probe's time
        differs per rank, and every rank must run the same dummy runs for their collectives.
     4. Warm: ``_dummy_run(M, cudagraph_runtime_mode=NONE)`` for each of those M: vLLM's own
@@ -90,11 +91,11 @@ _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe
 _KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
 # The probe's dummy run meets the kernel's first two specializations: on empty caches two
 # compiles of about 0.5 s each (35 took 18 s one by one on Qwen3-Next-80B dimensions, H200,
-# vLLM 0.24.0), on a warm restart two loads from Triton's cache. When the probe took less than
-# this longer than its rerun, the compiles were loads, and compiling ahead would only run the
-# dummy runs twice (the summary gives both times). The probe alone is no measure: the forward
-# itself takes a varying share (published-size Qwen3-Next, vLLM 0.29.0, four engines on one
-# GPU: a warm probe of 0.34 s sent a warm restart through a 2.1 s compile-ahead pass).
+# vLLM 0.24.0), on a warm restart two loads from Triton's cache. What it added to Triton's
+# on-disk cache tells the two apart. Its time does not, even against its rerun: on a warm
+# restart of published-size Qwen3-Next on vLLM 0.29.0 the probe took 0.34 s and its rerun
+# 0.02 s, loads and first calls only, and sent the start through a 2.3 s compile-ahead pass.
+# The time rule, this much over the rerun, is left for a cache that cannot be counted.
 COLD_PROBE_S = 0.3
 _MOE_PACKAGE = "vllm.model_executor.layers.fused_moe"
 
@@ -259,6 +260,19 @@ def compile_ahead(dummy_run, sizes, threads: int) -> str:
                                        "fused_moe: compile ahead failed, compiling one token count at a time")
 
 
+def _probe_compiled(dummy_run, first: int, probe_s: float, cached: int | None) -> tuple:
+    """Whether the probe compiled (rather than loaded from Triton's cache), and the summary's
+    words for how that was told: the kernels it added to Triton's on-disk cache, or, where
+    those cannot be counted, its time against a rerun at the same count."""
+    now = triton_compile.disk_cache_entries()
+    if cached is not None and now is not None:
+        return now > cached, f"probe {probe_s:.2f} s, {now - cached} kernels new in Triton's cache"
+    t0 = time.perf_counter()
+    dummy_run(first)  # the probe again, nothing left to compile or load: the run alone
+    rerun_s = time.perf_counter() - t0
+    return probe_s - rerun_s >= COLD_PROBE_S, f"probe {probe_s:.2f} s, its rerun {rerun_s:.2f} s"
+
+
 def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1,
                      alone: bool = True, details: dict | None = None) -> list:
     """Probe, find the config regions, compile ahead, run one token count per region's
@@ -267,6 +281,7 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
     import torch
 
     with torch.inference_mode():
+        cached = triton_compile.disk_cache_entries()
         t0 = time.perf_counter()
         with observed_config_calls(config_fn) as seen:
             dummy_run(first)
@@ -282,11 +297,8 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         if not alone:
             ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" (probe {probe_s:.2f} s)"
         else:
-            t0 = time.perf_counter()
-            dummy_run(first)  # the probe again, nothing left to compile or load: the run alone
-            rerun_s = time.perf_counter() - t0
-            timing = f"probe {probe_s:.2f} s, its rerun {rerun_s:.2f} s"
-            if probe_s - rerun_s >= COLD_PROBE_S:
+            cold, timing = _probe_compiled(dummy_run, first, probe_s, cached)
+            if cold:
                 ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" ({timing})"
             else:  # its compiles were loads from Triton's cache: a second pass would only cost
                 ahead = f"no compile ahead ({timing}: Triton's cache is warm)"

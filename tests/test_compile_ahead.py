@@ -151,3 +151,53 @@ def test_the_probe_against_its_rerun_decides_the_compile_ahead_pass(monkeypatch,
     assert bool(passes) is compiles_ahead, details["summary"]
     assert "its rerun" in details["summary"]
     assert fm.try_get_optimal_moe_config is config_fn
+
+
+@pytest.mark.parametrize("probe_compiles", [True, False])
+def test_what_the_probe_added_to_tritons_cache_decides_the_compile_ahead_pass(monkeypatch, tmp_path, probe_compiles):
+    """Where Triton's on-disk cache can be counted, the kernels the probe added to it decide,
+    not its time: a warm probe slower than its rerun (loads, first calls) skips the pass, and
+    no rerun runs. The probe's compile is Triton's real ``FileCacheManager`` writing a kernel
+    under ``TRITON_CACHE_DIR`` (the interpreter compiles nothing, so the test stands in for
+    it as a GPU's Triton: ``interpreted`` False)."""
+    import time
+
+    import vllm.platforms
+    from triton.runtime.cache import get_cache_manager
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+    monkeypatch.setattr(triton_compat, "interpreted", lambda: False)
+    monkeypatch.setattr(vllm.platforms.current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
+    assert triton_compile.disk_cache_entries() == 0, "a cache directory not made yet holds nothing"
+    get_cache_manager("a" * 64).put(b"cubin", "earlier.cubin")  # a kernel from an earlier start
+    assert triton_compile.disk_cache_entries() == 1
+    runs, passes = [], []
+
+    def dummy_run(m):
+        runs.append(m)
+        if len(runs) == 1:
+            time.sleep(0.8)  # slow either way: a compile, or a warm probe's loads and first calls
+            if probe_compiles:
+                get_cache_manager("b" * 64).put(b"cubin", "fused_moe_kernel.cubin")
+        fm.try_get_optimal_moe_config((8, 512, 1024), (8, 1024, 256), 2, None, m, None)
+
+    monkeypatch.setattr(fused_moe, "compile_ahead", lambda run, sizes, threads: passes.append(sizes) or "compiled ahead")
+    details = {}
+    fused_moe.warm_eager_sizes(fm.try_get_optimal_moe_config, dummy_run, 33, 64, threads=4, alone=True,
+                               details=details)
+    assert runs.count(33) == 1, "no rerun: the cache was counted"
+    assert bool(passes) is probe_compiles, details["summary"]
+    assert f"{int(probe_compiles)} kernels new in Triton's cache" in details["summary"]
+
+
+def test_a_cache_manager_of_the_users_own_is_not_counted(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton_compat, "interpreted", lambda: False)
+    assert triton_compile.disk_cache_entries() == 0
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "triton.runtime.cache:FileCacheManager")
+    assert triton_compile.disk_cache_entries() is None
+    monkeypatch.delenv("TRITON_CACHE_MANAGER")
+    monkeypatch.setattr(triton_compat, "interpreted", lambda: True)
+    assert triton_compile.disk_cache_entries() is None, "the interpreter writes no kernel"
