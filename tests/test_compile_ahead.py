@@ -126,9 +126,10 @@ def test_triton_attn_compile_ahead_failing_is_one_warning_naming_the_group(monke
 
 @pytest.mark.parametrize("probe_extra_s, compiles_ahead", [(0.8, True), (0.0, False)])
 def test_the_probe_against_its_rerun_decides_the_compile_ahead_pass(monkeypatch, probe_extra_s, compiles_ahead):
-    """Alone, the pass runs when the probe took ``COLD_PROBE_S`` longer than its rerun (it
-    compiled), not when it was slow only because the forward is (a warm restart beside other
-    engines): the dummy runs call vLLM's real ``try_get_optimal_moe_config`` by its module."""
+    """Alone, where Triton's cache cannot be counted (a cache manager of the user's own), the
+    pass runs when the probe took ``COLD_PROBE_S`` longer than its rerun (it compiled), not
+    when it was slow only because the forward is (a warm restart beside other engines): the
+    dummy runs call vLLM's real ``try_get_optimal_moe_config`` by its module."""
     import time
 
     import vllm.platforms
@@ -136,6 +137,8 @@ def test_the_probe_against_its_rerun_decides_the_compile_ahead_pass(monkeypatch,
 
     # the only part of the GPU vLLM's config lookup asks for (its tuned tables are per device)
     monkeypatch.setattr(vllm.platforms.current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "triton.runtime.cache:FileCacheManager")
+    assert triton_compile.disk_cache_entries() is None
     config_fn = fm.try_get_optimal_moe_config
     runs, passes = [], []
 
