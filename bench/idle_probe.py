@@ -6,6 +6,7 @@ captured at start is first replayed by a request), and the same for a graph uplo
 (``cudaGraphUpload``, through cuda-python) right after its capture: whether uploading what
 vLLM captured would take anything off a first request."""
 import json
+import os
 import subprocess
 import time
 
@@ -107,3 +108,6 @@ for idle in [0, 5, 20]:
 time.sleep(5)
 out["idle_clocks"] = clocks()
 print(json.dumps(out, indent=1))
+if os.environ.get("OUT"):  # the device tool's folder: the result comes back as a file, whole
+    with open(os.path.join(os.environ["OUT"], "idle_probe.json"), "w") as f:
+        json.dump(out, f, indent=1)
