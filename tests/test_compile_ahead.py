@@ -132,28 +132,42 @@ def test_the_probe_against_its_rerun_decides_the_compile_ahead_pass(monkeypatch,
     dummy runs call vLLM's real ``try_get_optimal_moe_config`` by its module."""
     import time
 
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "triton.runtime.cache:FileCacheManager")
+    assert triton_compile.disk_cache_entries() is None
+    config_fn = fm.try_get_optimal_moe_config
+
+    def probe(runs):
+        time.sleep(0.1 + (probe_extra_s if len(runs) == 1 else 0.0))  # a slow forward, and the probe's compiles
+
+    runs, passes, details = _warm_eager_sizes(monkeypatch, probe)
+    assert runs[:2] == [33, 33], "the probe, then its rerun"
+    assert bool(passes) is compiles_ahead, details["summary"]
+    assert "its rerun" in details["summary"]
+    assert fm.try_get_optimal_moe_config is config_fn
+
+
+def _warm_eager_sizes(monkeypatch, forward) -> tuple:
+    """``warm_eager_sizes`` alone over M 33..64, with dummy runs that call `forward` (given the
+    counts run so far) and vLLM's real ``try_get_optimal_moe_config`` by its module, and the
+    compile-ahead pass recorded instead of run: (the counts run, the passes, the details)."""
     import vllm.platforms
     from vllm.model_executor.layers.fused_moe import fused_moe as fm
 
     # the only part of the GPU vLLM's config lookup asks for (its tuned tables are per device)
     monkeypatch.setattr(vllm.platforms.current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
-    monkeypatch.setenv("TRITON_CACHE_MANAGER", "triton.runtime.cache:FileCacheManager")
-    assert triton_compile.disk_cache_entries() is None
-    config_fn = fm.try_get_optimal_moe_config
-    runs, passes = [], []
+    runs, passes, details = [], [], {}
 
     def dummy_run(m):
         runs.append(m)
-        time.sleep(0.1 + (probe_extra_s if len(runs) == 1 else 0.0))  # a slow forward, and the probe's compiles
+        forward(runs)
         fm.try_get_optimal_moe_config((8, 512, 1024), (8, 1024, 256), 2, None, m, None)
 
     monkeypatch.setattr(fused_moe, "compile_ahead", lambda run, sizes, threads: passes.append(sizes) or "compiled ahead")
-    details = {}
-    fused_moe.warm_eager_sizes(config_fn, dummy_run, 33, 64, threads=4, alone=True, details=details)
-    assert runs[:2] == [33, 33], "the probe, then its rerun"
-    assert bool(passes) is compiles_ahead, details["summary"]
-    assert "its rerun" in details["summary"]
-    assert fm.try_get_optimal_moe_config is config_fn
+    fused_moe.warm_eager_sizes(fm.try_get_optimal_moe_config, dummy_run, 33, 64, threads=4, alone=True,
+                               details=details)
+    return runs, passes, details
 
 
 @pytest.mark.parametrize("probe_compiles", [True, False])
@@ -165,31 +179,22 @@ def test_what_the_probe_added_to_tritons_cache_decides_the_compile_ahead_pass(mo
     it as a GPU's Triton: ``interpreted`` False)."""
     import time
 
-    import vllm.platforms
     from triton.runtime.cache import get_cache_manager
-    from vllm.model_executor.layers.fused_moe import fused_moe as fm
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
     monkeypatch.setattr(triton_compat, "interpreted", lambda: False)
-    monkeypatch.setattr(vllm.platforms.current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
     assert triton_compile.disk_cache_entries() == 0, "a cache directory not made yet holds nothing"
     get_cache_manager("a" * 64).put(b"cubin", "earlier.cubin")  # a kernel from an earlier start
     assert triton_compile.disk_cache_entries() == 1
-    runs, passes = [], []
 
-    def dummy_run(m):
-        runs.append(m)
+    def probe(runs):
         if len(runs) == 1:
             time.sleep(0.8)  # slow either way: a compile, or a warm probe's loads and first calls
             if probe_compiles:
                 get_cache_manager("b" * 64).put(b"cubin", "fused_moe_kernel.cubin")
-        fm.try_get_optimal_moe_config((8, 512, 1024), (8, 1024, 256), 2, None, m, None)
 
-    monkeypatch.setattr(fused_moe, "compile_ahead", lambda run, sizes, threads: passes.append(sizes) or "compiled ahead")
-    details = {}
-    fused_moe.warm_eager_sizes(fm.try_get_optimal_moe_config, dummy_run, 33, 64, threads=4, alone=True,
-                               details=details)
+    runs, passes, details = _warm_eager_sizes(monkeypatch, probe)
     assert runs.count(33) == 1, "no rerun: the cache was counted"
     assert bool(passes) is probe_compiles, details["summary"]
     assert f"{int(probe_compiles)} kernels new in Triton's cache" in details["summary"]

@@ -189,7 +189,7 @@ def test_tiny_default_config_regions(release):
     assert 1031 in bounds, "GROUP_SIZE_M turns 16 at M // 8 > 128"
     expected = [m for lo, hi in regions for m in range(lo, min(hi, lo + 7) + 1)]
     assert _ms(result) == expected[:1] + expected, \
-        "one probe at 33 and its rerun (alone: did the probe compile?), then the first 8 token counts of each region"
+        "one probe at 33 and its rerun (interpreted: Triton's cache cannot be counted), then the first 8 token counts of each region"
     assert all(c["mode"] == "NONE" and c["skip_eplb"] is True for c in result["calls"])
     assert fam["steps"][0]["status"] == "ran" and len(fam["steps"][0]["variants"]) == len(regions)
     assert result["restored"], "the recording stand-in is gone after the step"
@@ -225,7 +225,7 @@ def test_tuned_table_regions(release):
         assert a["config"] != b["config"]
     assert len(regions) >= 3
     expected = [m for r in regions for m in range(r["M"][0], min(r["M"][1], r["M"][0] + 1) + 1)]
-    assert _ms(result) == expected[:1] + expected, "the probe's rerun, then 2 token counts per region"
+    assert _ms(result) == expected[:1] + expected, "the probe, its rerun (interpreted), then 2 token counts per region"
 
 
 def test_eager_range_follows_cudagraph_mode(release):
