@@ -34,6 +34,11 @@ Why:
     splits x heads x 200 x 512 x 4 bytes; capture's decode batches allocate theirs in the
     graphs' private pool, and V2's ``warmup_kernels`` prefill (16 x 2 tokens) far less.
 
+    A long prefill's larger allocations (above 9 MiB: MoE and GDN intermediates) come from
+    the large pool, which ``empty_cache`` left empty. On vLLM 0.29.0 with the published-size
+    Qwen3-Next, cold (cProfile of the first 4x333-token prefill against its repeat, no Triton
+    compile), its 51 ``empty_strided_cuda`` calls took 10.5 ms more: new segments.
+
 How:
     Once ``Worker.compile_or_warm_up_model`` has returned (capture, vLLM's post-capture
     dummy run and sampler warmup done; ``kwarm_ext.patches`` wraps it), on each stream of
@@ -55,13 +60,19 @@ How:
     all -1 (no KV entry read; the indexer rewrites ``topk_indices_buffer`` every forward), its
     block-table row is the runner's own, nothing writes the KV cache.
 
+    The largest eager step: one ``runner._dummy_run`` (vLLM's own, bound by
+    ``model_runner.dummy_runner``) at ``max_num_batched_tokens``, where no CUDA graph runs; its
+    activations, freed, stay cached: at most what vLLM's memory profile set aside for that very
+    step, and what the first request of that size would leave cached anyway. A request's
+    allocations then split those blocks. Every rank runs the same step (its collectives line up).
+
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture,
 and no warmup of 0.28-0.33 runs FLASH_ATTN_MLA_SPARSE's forward_mqa outside capture at the
 decode threshold (the V2 runner's warmup_kernels, 0.29+, runs 16 x 2 tokens).
 
 Remove when:
     vLLM stops emptying the allocator's cache after capture, or warms the prefill path after it
-    (the pools), and runs its sparse MQA at the decode threshold after capture (the scratch).
+    (the pools and the largest step), and runs its sparse MQA at the decode threshold after capture (the scratch).
 """
 from __future__ import annotations
 
@@ -72,6 +83,7 @@ import time
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, dataclass_instance, group_id_of,
                                                 group_layer, groups_of, metadata_builder, model_dtype)
+from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, synchronize
 from kwarm_ext.vllm_compat import Missing
 
 NAME = "caching_allocator"
@@ -83,6 +95,7 @@ AUX_STREAM = ("vllm.utils.torch_utils", "_aux_stream")  # what aux_stream() crea
 # (label, where the stream is: None, the current one; else (module, attribute), 1 MiB blocks, 9 MiB blocks)
 STREAMS = (("model stream", None, RESERVE_BLOCKS, 4), ("aux stream", AUX_STREAM, 4, 2))
 MIN_DEVICE_FREE = 1 << 30
+LARGEST_STEP_KERNEL = "CUDA caching allocator (large pool, the largest eager step's activations)"
 SPARSE_MQA_BACKEND = "FLASH_ATTN_MLA_SPARSE"
 SPARSE_MQA_KERNEL = "FlashAttention 3 sparse MQA scratch (FLASH_ATTN_MLA_SPARSE forward_mqa)"
 
@@ -103,12 +116,13 @@ def plan(view, forced) -> Plan:
                   run=lambda group=group: _sparse_mqa_scratch(view, group, details))
              for group in groups_of(view, SPARSE_MQA_BACKEND)]
     steps.append(Step("small and large pools", KERNEL, run=lambda: _reserve(view, details)))
+    steps.append(_largest_step(view, details))
     return Plan(steps, lambda: summary(details))
 
 
 def summary(details: dict) -> dict:
     """The summary line's details: what each step that ran found and added."""
-    parts = [*details.get("sparse_mqa", ()), *filter(None, [details.get("pools")])]
+    parts = [*details.get("sparse_mqa", ()), *filter(None, [details.get("pools"), details.get("largest_step")])]
     return {"summary": "; ".join(parts)} if parts else {}
 
 
@@ -237,4 +251,49 @@ def _reserve(view, details: dict) -> list:
         last = small_pool(torch.cuda.memory_stats(device))
         text = f"{'; '.join(parts)}; small pool {first[1]:.0f} -> {last[1]:.0f} MiB cached free"
     details["pools"] = text
+    return [text]
+
+
+# ---------------------------------------------------------------------------- the largest eager step
+
+def _largest_step(view, details: dict) -> Step:
+    """The step that leaves the large pool holding what the largest step allocates: one
+    ``_dummy_run`` at the most tokens a step schedules (:func:`largest_step`)."""
+    name = "largest eager step"
+    if not callable(getattr(view.runner, "_dummy_run", None)):
+        return Step(name, LARGEST_STEP_KERNEL, skip="runner has no _dummy_run")
+    try:
+        run = dummy_runner(view.runner)
+    except Missing as exc:
+        return Step(name, LARGEST_STEP_KERNEL, skip=str(exc))
+    tokens = eager_range(view)[1]
+    if tokens < 1:
+        return Step(name, LARGEST_STEP_KERNEL, skip="no max_num_batched_tokens")
+    return Step(name, LARGEST_STEP_KERNEL, run=lambda: largest_step(view, run, tokens, details))
+
+
+def largest_step(view, run, tokens: int, details: dict) -> list:
+    """vLLM's own eager dummy step at `tokens` (``max_num_batched_tokens``), after capture: its
+    activations, freed, stay cached in the large pool, where a request's larger allocations
+    (above 9 MiB: MoE and GDN intermediates of a long prefill) find a block to split instead of
+    starting a segment."""
+    import torch
+
+    device = view.device
+    free_device = torch.cuda.mem_get_info(device)[0]
+    if free_device < MIN_DEVICE_FREE:
+        text = f"no eager step: {free_device >> 20} MiB free on the device"
+    else:
+        before = torch.cuda.memory_stats(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            run(tokens)
+        synchronize(torch.device(device))
+        after = torch.cuda.memory_stats(device)
+        grown = {key: after.get(key, 0) - before.get(key, 0)
+                 for key in ("reserved_bytes.large_pool.current", "segment.large_pool.current")}
+        text = (f"one eager step of {tokens} tokens (vLLM's _dummy_run) in {time.perf_counter() - t0:.2f} s: "
+                f"large pool +{grown['reserved_bytes.large_pool.current'] >> 20} MiB cached "
+                f"({grown['segment.large_pool.current']} segments new)")
+    details["largest_step"] = text
     return [text]

@@ -24,6 +24,8 @@ Remove when:
 """
 from __future__ import annotations
 
+from kwarm_ext.families import Step
+
 DEFAULT_HEURISTICS_CACHE = 8192  # cuBLASLt's default capacity: room kept for everything else
 
 
@@ -70,3 +72,21 @@ def libraries_loaded() -> list:
         if hasattr(lib, "cublasLtHeuristicsCacheSetCapacity") and hasattr(lib, "cublasLtHeuristicsCacheGetCapacity"):
             libs.append(lib)
     return libs
+
+
+def cache_step(problems: int, device_type: str | None, details: dict) -> Step:
+    """``eager_gemm``'s first step: room in cuBLASLt's heuristics cache for the `problems` the others warm."""
+    if device_type != "cuda":
+        return Step("heuristics_cache", "cuBLASLt heuristics cache",
+                    skip=f"runner device {device_type or 'unknown'} is not CUDA ({problems} GEMM problems)")
+    return Step("heuristics_cache", "cuBLASLt heuristics cache", run=reserve_step(problems, details))
+
+
+def reserve_step(problems: int, details: dict):
+    def step():
+        before, after, reason = reserve_heuristics_cache(problems + DEFAULT_HEURISTICS_CACHE)
+        details["heuristics_cache"] = {"problems": problems, "before": before, "after": after, "reason": reason}
+        return [f"capacity {before} -> {after} ({problems} problems to warm)" if after is not None
+                else f"capacity not raised: {reason}"]
+
+    return step

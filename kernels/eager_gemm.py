@@ -8,49 +8,38 @@ Why:
     ``addmm``); the LM head's GEMM runs eagerly at every step, at the number of sampled
     rows. The first GEMM at a new token count pays cuBLAS's choice of a kernel for that
     shape, and, when the choice is a kernel not used before, the driver loading it (lazy
-    module loading). Measured on the GPU host (H200, torch 2.11, ``bench/gemm_first_call.py``):
-    about 0.2 ms per GEMM shape at a new token count, and 2-3.5 ms when it picks a kernel
-    not loaded yet, which happens every few dozen token counts; a repeat costs 0.02 ms. A
-    neighbour (M+1) of a token count already run paid only the 0.2 ms. In the engine
-    benchmark (cProfile of request 0 against its repeat, vLLM 0.24.0, no Triton compile),
-    a 200-token prefill spent 18.6 ms in 12 first ``torch.mm`` calls on the tiny
-    DeepSeek-V3.2 (0.2 ms in the repeat) and 7.9 ms on the tiny Qwen3-Next: the largest
-    part of what still separated request 0 from request 1. Dummy forwards do not help
-    enough: 19 of them at a ladder of sizes left request 0 as slow (measured). With the
-    linear layers warmed, a first 1332-token prefill of the DeepSeek-V3.2 still spent 6.3 ms
-    in 4 first ``torch.bmm`` calls of MLA's absorbed attention, which no CUDA graph holds:
-    the attention runs eagerly at the step's real token count.
+    module loading). Measured on the GPU host (``bench/gemm_first_call.py``): about 0.2 ms
+    per GEMM shape at a new token count, 2-3.5 ms when it picks a kernel not loaded yet (every
+    few dozen counts); a repeat costs 0.02 ms. In the engine benchmark (cProfile of request 0
+    against its repeat, vLLM 0.24.0, no Triton compile), a 200-token prefill spent 18.6 ms in
+    12 first ``torch.mm`` calls on the tiny DeepSeek-V3.2 and 7.9 ms on the tiny Qwen3-Next;
+    19 dummy forwards at a ladder of sizes left it as slow. With the linear layers warmed, a
+    first 1332-token prefill of the DeepSeek-V3.2 still spent 6.3 ms in 4 first ``torch.bmm``
+    calls of MLA's absorbed attention, which runs eagerly at the step's real token count.
 
 How:
     One target per GEMM shape (weight shape, dtype, stride; bias or not) among the model's
-    ``LinearBase`` layers whose ``quant_method`` is ``UnquantizedLinearMethod``, called the way
-    the layer's ``forward`` calls it, ``quant_method.apply(layer, x, bias)`` (vLLM's
-    ``dispatch_unquantized_gemm``: ``F.linear`` on CUDA), on a zero input of M rows over the
-    eager range (smallest eager size to ``max_num_batched_tokens``); the LM head
-    (``ParallelLMHead`` with ``UnquantizedEmbeddingMethod``) at 1..``max_num_seqs`` rows. Inputs
-    are fresh buffers and outputs are dropped: only the weights are read. Quantized layers
+    ``LinearBase`` layers on ``UnquantizedLinearMethod``, called as the layer's ``forward`` does,
+    ``quant_method.apply(layer, x, bias)``, on an input of M rows over the eager range (smallest
+    eager size to ``max_num_batched_tokens``); the LM head (``ParallelLMHead``) at
+    1..``max_num_seqs`` rows. Outputs are dropped: only the weights are read. Quantized layers
     are not warmed (their GEMMs are other libraries' kernels).
 
     The MoE router's ``GateLinear`` is called through its own ``forward``: it picks its GEMM by
     release, weight and token count (a CuTe DSL kernel for few tokens, a fp32-specialized one,
-    or ``torch.mm(x, W.T, out_dtype=float32)``, bf16 in, fp32 out), a cuBLAS problem that
-    ``quant_method.apply`` (bf16 out) never makes. Measured (vLLM 0.29.0, block-FP8 GLM-5
-    dimensions, cProfile of request 0 against its repeat): that one ``torch.mm`` cost 3.1 ms in
-    request 0 and 0.09 ms in its repeat. Its passes run the GEMMs instead of capturing them
-    (a CuTe DSL kernel may compile and load on its first call, which a capture would refuse);
-    the gate's GEMM is small (M x hidden x experts), so running costs microseconds of GPU each.
+    or ``torch.mm(x, W.T, out_dtype=float32)``), a cuBLAS problem ``quant_method.apply`` never
+    makes: 3.1 ms in request 0, 0.09 ms in its repeat (vLLM 0.29.0, block-FP8 GLM-5, cProfile).
+    Its GEMMs run instead of being captured (a CuTe DSL kernel may compile and load on its first
+    call, which a capture would refuse); they are small (M x hidden x experts).
 
-    MLA (``MLAAttention`` layers with their ``W_UK_T`` / ``W_UV`` absorbed weights), one target
-    per shape: the query's up-projection ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into a
-    head-major buffer and, where the layer pads no heads, also into a token-major one (0.33
-    writes there), and the layer's own ``_v_up_proj``, at B up to ``max_num_batched_tokens``
-    for sparse MLA (DSA: every token goes this way) and up to ``max_num_seqs x
-    reorder_batch_threshold`` decode tokens for dense MLA. Layers on ROCm's AITER BMMs are left
-    to vLLM, which warms those itself.
+    MLA (``MLAAttention``'s absorbed ``W_UK_T`` / ``W_UV``), one target per shape: the query's
+    ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into a head-major buffer and, without padded heads,
+    a token-major one (0.33), and the layer's own ``_v_up_proj``, at B up to
+    ``max_num_batched_tokens`` for sparse MLA (DSA) and ``max_num_seqs x reorder_batch_threshold``
+    for dense MLA. Layers on ROCm's AITER BMMs are left to vLLM, which warms those.
 
-    Three passes, most useful first; the first two always run, the last only while
-    ``KWARM_BUDGET`` lasts (kwarm_ext/budget.py): what is left is left to the requests, and the
-    summary says so.
+    Three passes, most useful first; the first two always run, the last while ``KWARM_BUDGET``
+    lasts (kwarm_ext/budget.py): the summary says what is left to the requests.
 
     1. ``exact``: every count up to 64 and the counts this deployment stepped at in earlier
        runs (learned with ``KWARM_LEARN``, kept in its manifest): their first call then costs
@@ -59,31 +48,28 @@ How:
        shape, which loads most kernels cuBLAS picks (DeepSeek-V3.2 dimensions: about 1 s);
     3. ``fill``: every 8th count between, spread first (:func:`spread`).
 
-    The budget counts from the start of kwarm's warmup, so the families before this one
-    (the compiles, which always run) spend it first. The grid always runs because, left to the
-    budget, a cold start lost it: on vLLM 0.29.0 with the published-size DeepSeek-V3.2 the
-    compiles spent the whole 5.1 s budget, the grid's 907 problems were left to the requests,
-    and the first 200-, 1332- and 616-token steps paid 54, 37 and 33 ms more than their repeats;
-    on the warm restart of the same call, with the grid warmed (1.06 s), 7.5, 0.3 and 7.7 ms.
+    The budget counts from the start of kwarm's warmup; the families before this one spend it
+    first, except their time on a start where they compiled (``budget.credit``). The grid always
+    runs: left to the budget, a cold start lost it (vLLM 0.29.0, published-size DeepSeek-V3.2:
+    the first 200-, 1332- and 616-token steps paid 54, 37 and 33 ms more than their repeats,
+    7.5, 0.3 and 7.7 ms with the grid warmed). With the fill too (KWARM_BUDGET=unlimited, cold),
+    request 0 paid 3.5 ms more (cProfile): cuBLAS's choice at a count no pass warmed.
 
-    On CUDA each pass is *captured* into a CUDA graph that is never replayed: cuBLAS makes its
+    On CUDA each pass is *captured* into CUDA graphs that are never replayed: cuBLAS makes its
     choice and the driver loads the kernel at capture, and the GPU computes nothing. Measured
-    on the GPU host (``bench/gemm_coverage.py``, torch 2.11, DeepSeek-V3.2's 12 linear shapes and
-    MLA BMMs): a first call at a captured count cost what a repeat does, exactly as after
-    running it; capturing all 28,032 problems of the old every-8th grid took 9.3 s, against
-    34.6 s running them in the engine. The grid alone (700 problems, 1.0 s) leaves about one
-    kernel load (2-5 ms) per 14 first calls at counts off the grid; the every-8th fill, none
-    for linear layers. A count not warmed still pays cuBLAS's choice, about 0.3 ms per shape:
-    that is what learned counts remove. Capture uses a side stream whose cuBLAS workspace
-    exists before capture starts, in thread-local capture mode; where capture fails, the pass
-    runs the GEMMs instead (one note in the step's variants).
+    (``bench/gemm_coverage.py``, DeepSeek-V3.2's 12 linear shapes and MLA BMMs): a first call
+    at a captured count cost what a repeat does; capturing the 28,032 problems of an every-8th
+    grid took 9.3 s, against 34.6 s running them. The grid alone leaves about one kernel load
+    (2-5 ms) per 14 first calls at counts off it; the fill, none for linear layers. A count not
+    warmed still pays cuBLAS's choice, about 0.2-0.3 ms per shape: what learned counts remove.
+    The choice is CPU work torch runs without the GIL: a pass is dealt to up to 8 threads, each
+    capturing on its own side stream (cuBLAS workspace made before capture; thread-local capture
+    mode). Where a thread fails, one thread captures it all; where that fails, the GEMMs run.
 
-Cost: the passes' problems x about 0.33 ms of CPU (cuBLAS's choice), no GPU time when
-captured: published-size DeepSeek-V3.2 exact + grid about 0.3-0.6 s, the full fill 9 s (hence
-the budget). ``KWARM_WARMUPS=-eager_gemm`` turns it off.
-
-cuBLASLt's heuristics cache: this family makes far more problems than its 8192 default entries
-hold; its first step raises the capacity (``kernels/cublaslt.py`` says why and how).
+Cost: about 0.21 ms of CPU per problem (cuBLAS's choice; vLLM 0.29.0, one thread), no GPU
+time when captured: published-size DeepSeek-V3.2 exact + grid about 1 s, the full fill (28,487
+problems) 6.1 s on one thread. ``KWARM_WARMUPS=-eager_gemm`` turns it off. Its first step
+raises the capacity of cuBLASLt's heuristics cache (8192 entries; ``kernels/cublaslt.py``).
 
 Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
 
@@ -95,7 +81,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from kwarm_ext import budget, config
+from kwarm_ext import budget, config, triton_compile
 from kwarm_ext.kernels import cublaslt
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import model_dtype
@@ -114,6 +100,8 @@ _OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabl
 EXACT_UP_TO = 64  # every token count up to this one is warmed exactly (decode-sized steps)
 FILL_STRIDE = 8  # the fill pass: every 8th token count above EXACT_UP_TO
 GRID_STEPS_PER_DOUBLING = 8  # the kernel grid: counts about 9% apart
+CAPTURE_THREADS = 8  # at most this many threads capture one pass
+PROBLEMS_PER_THREAD = 64  # at least this many problems per capture thread
 
 
 @dataclasses.dataclass
@@ -165,8 +153,8 @@ def plan(view, forced) -> list | Plan:
             steps.append(Step(name, KERNEL, skip="no token counts left to warm"))
             continue
         problems += sum(t.calls * len(c) for t, c in work)
-        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted, details)))
-    steps.insert(0, _cache_step(problems, device_type, details))
+        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted, details, view.tp_size)))
+    steps.insert(0, cublaslt.cache_step(problems, device_type, details))
     return Plan(steps, lambda: describe(details))
 
 
@@ -286,10 +274,11 @@ def describe(details: dict) -> dict:
     return {"summary": ", ".join(parts), **details}
 
 
-def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict):
-    """One pass: each target at its counts, largest first; on CUDA captured into a CUDA graph
-    that is never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
-    nothing), elsewhere run. A budgeted pass stops when KWARM_BUDGET is spent."""
+def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict, tp_size=None):
+    """One pass: each target at its counts, largest first; on CUDA captured into CUDA graphs
+    that are never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
+    nothing), on :func:`capture_threads` threads, elsewhere run. A budgeted pass stops when
+    KWARM_BUDGET is spent."""
     def step():
         import torch
 
@@ -305,7 +294,8 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
                     warmed, left, mode = _warm(calls, order, budgeted) + ("warmed",)
                 else:
-                    warmed, left, mode = _captured(calls, order, budgeted, torch, device_type)
+                    threads = capture_threads(device_type, len(order), tp_size)
+                    warmed, left, mode = _captured(calls, order, budgeted, torch, device_type, threads)
                 modes.append(mode)
             if ran:
                 calls = [(target, target.prepare(buffers)) for target, _ in ran]
@@ -322,16 +312,62 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
     return step
 
 
-def _captured(calls: list, order: list, budgeted: bool, torch, device_type: str | None) -> tuple:
-    """``(warmed, left, mode)``: :func:`_warm` inside :func:`_session`; run instead where
-    capture fails."""
+def _captured(calls: list, order: list, budgeted: bool, torch, device_type: str | None, threads: int = 1) -> tuple:
+    """``(warmed, left, mode)``: :func:`_warm` in :func:`_session` on `threads` threads, else on
+    this one; run instead where capture fails."""
+    note = ""
+    if threads > 1:
+        try:
+            return _captured_on_threads(calls, order, budgeted, torch, device_type, threads)
+        except Exception as exc:  # a thread's capture refused: all of it again on this thread
+            if config.strict():
+                raise
+            note = f" (on {threads} threads failed: {type(exc).__name__}: {exc})"
     try:
         with _session(torch, device_type) as mode:
-            return _warm(calls, order, budgeted) + (mode,)
+            return _warm(calls, order, budgeted) + (mode + note,)
     except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
         if device_type != "cuda" or config.strict():
             raise
-        return _warm(calls, order, budgeted) + (f"run (capture failed: {type(exc).__name__}: {exc})",)
+        return _warm(calls, order, budgeted) + (f"run (capture failed: {type(exc).__name__}: {exc}){note}",)
+
+
+def capture_threads(device_type: str | None, problems: int, tp_size=None) -> int:
+    """On CUDA, this rank's share of the cores up to :data:`CAPTURE_THREADS`, at least
+    :data:`PROBLEMS_PER_THREAD` problems each; 1 elsewhere (CPU GEMMs run, nothing is chosen)."""
+    if device_type != "cuda":
+        return 1
+    return max(1, min(CAPTURE_THREADS, triton_compile.compile_threads(tp_size), problems // PROBLEMS_PER_THREAD))
+
+
+def _captured_on_threads(calls: list, order: list, budgeted: bool, torch, device_type: str | None,
+                         threads: int) -> tuple:
+    """``(warmed, left, mode)`` of `order` dealt round-robin to `threads` threads, each in its own
+    :func:`_session` under inference mode on this thread's device. Each share keeps the pass's
+    order (a budget cut leaves each as evenly covered). A thread's exception is raised here."""
+    import threading
+
+    device = torch.cuda.current_device() if device_type == "cuda" else None
+    results: list = [None] * threads
+
+    def work(k):
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # a new thread starts on device 0
+            with torch.inference_mode(), _session(torch, device_type) as mode:
+                results[k] = _warm(calls, order[k::threads], budgeted) + (mode,)
+        except Exception as exc:  # raised on the calling thread below
+            results[k] = exc
+
+    workers = [threading.Thread(target=work, args=(k,), name=f"kwarm-eager-gemm-{k}") for k in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return (sum(r[0] for r in results), sum(r[1] for r in results), f"{results[0][2]} on {threads} threads")
 
 
 def _shared_inputs(torch, targets: list) -> dict:
@@ -512,23 +548,3 @@ def gemm_layers(model, layer_cls, method_cls, device_type: str | None = None) ->
                type(layer).forward)  # a layer with its own forward (the router gate) makes other GEMMs
         seen.setdefault(key, (name, layer, bias))
     return list(seen.values())
-
-
-# ---------------------------------------------------------------------------- cuBLASLt heuristics cache
-
-def _cache_step(problems: int, device_type: str | None, details: dict) -> Step:
-    """First step: room in cuBLASLt's heuristics cache for the `problems` the others warm."""
-    if device_type != "cuda":
-        return Step("heuristics_cache", "cuBLASLt heuristics cache",
-                    skip=f"runner device {device_type or 'unknown'} is not CUDA ({problems} GEMM problems)")
-    return Step("heuristics_cache", "cuBLASLt heuristics cache", run=_reserve_step(problems, details))
-
-
-def _reserve_step(problems: int, details: dict):
-    def step():
-        before, after, reason = cublaslt.reserve_heuristics_cache(problems + cublaslt.DEFAULT_HEURISTICS_CACHE)
-        details["heuristics_cache"] = {"problems": problems, "before": before, "after": after, "reason": reason}
-        return [f"capacity {before} -> {after} ({problems} problems to warm)" if after is not None
-                else f"capacity not raised: {reason}"]
-
-    return step

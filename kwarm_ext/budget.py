@@ -8,7 +8,8 @@ request) always runs, and so do the token counts a deployment really steps at an
 ``eager_gemm``'s kernel grid (about 1 s at published sizes; it loads most kernels cuBLAS
 picks); its fill of the token counts between runs until the budget is spent, and the summary
 line says what was left to the requests. The budget counts from the start of the warmup: the
-work that always runs spends it first.
+work that always runs spends it first, except a family's time on a start where it compiled
+Triton kernels (:func:`credit`): on a cold cache the compiles alone would spend it.
 
 The budget of one worker's warmup, from ``KWARM_BUDGET``:
 
@@ -65,6 +66,17 @@ def begin(spec: tuple) -> str:
     seconds, description = seconds_for(spec, process_age_s())
     _deadline = None if seconds is None else time.monotonic() + seconds
     return description
+
+
+def credit(seconds: float) -> None:
+    """Give `seconds` back to optional work: a family's time on a start where it compiled
+    (``kwarm_ext.warmup`` calls this). Those compiles always run, since each would cost a request
+    seconds, so on a cold cache they spent the budget before ``eager_gemm``'s fill came: on vLLM
+    0.29.0 with the published-size DeepSeek-V3.2, cold, they took 8.4 s of a 7.6-8.9 s budget,
+    the fill got nothing and request 0 cost 1.34x its repeat (BENCHMARKS.md)."""
+    global _deadline
+    if _deadline is not None and seconds > 0:
+        _deadline += seconds
 
 
 def left() -> float:

@@ -48,6 +48,46 @@ def test_the_clock_runs_out_and_unlimited_never_does():
         budget.reset()
 
 
+def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
+    # on a cold cache the compiles, which always run, spent the whole budget before eager_gemm's
+    # fill; a family's time on a start where it compiled is not charged (kwarm_ext.warmup)
+    import contextlib
+    import time as clock
+
+    from kwarm_ext import families, monitor, warmup
+    from test_faults import stand_in_worker
+
+    compiled = []
+
+    @contextlib.contextmanager
+    def capture():  # Triton's compile hook cannot fire without a GPU: its events are stood in for
+        yield compiled
+
+    module = types.ModuleType("kwarm_budget_family")
+    module.applies = lambda view: None
+    module.plan = lambda view, forced: [families.Step("compile", "k", run=lambda: clock.sleep(0.3) or ["v"])]
+    monkeypatch.setitem(__import__("sys").modules, "kwarm_budget_family", module)
+    registry = {"fam": families.Family("fam", "kwarm_budget_family", "t")}
+    monkeypatch.setattr(warmup, "FAMILIES", registry)
+    monkeypatch.setattr(families, "FAMILIES", registry)
+    monkeypatch.setattr(monitor, "capture", capture)
+    kwarm_env(KWARM_BUDGET="0.5")
+    view = warmup.engine.build(stand_in_worker())
+    try:
+        budget.begin(("seconds", 0.5))
+        warmup._run_family("fam", view, config.get())
+        assert budget.left() < 0.25, "no compile: its 0.3 s spent the budget"
+        compiled.append(monitor.Compiled("m", "k", "key"))
+        budget.begin(("seconds", 0.5))
+        result = warmup._run_family("fam", view, config.get())
+        assert result.compiled and budget.left() > 0.45, "a compiling family's time is given back"
+        budget.begin(("unlimited", None))
+        budget.credit(5.0)
+        assert budget.left() == float("inf")
+    finally:
+        budget.reset()
+
+
 def test_process_age_is_this_process():
     age = budget.process_age_s()
     assert age is not None and 0 <= age < 24 * 3600

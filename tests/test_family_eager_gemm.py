@@ -173,7 +173,7 @@ def heuristics_cache():
     out = {"libraries": len(libs), "start": start,
            "raised": cublaslt.reserve_heuristics_cache(start + 1000),
            "kept": cublaslt.reserve_heuristics_cache(10),
-           "step": eager_gemm._reserve_step(5, details := {})(), "details": details.get("heuristics_cache"),
+           "step": cublaslt.reserve_step(5, details := {})(), "details": details.get("heuristics_cache"),
            "none": cublaslt.reserve_heuristics_cache(10, libraries=[])}
     for lib in libs:
         lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(start))
