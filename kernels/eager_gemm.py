@@ -46,14 +46,15 @@ How:
        what the second does (DeepSeek-V3.2 dimensions: about 0.4 s);
     2. ``grid``: a geometric ladder of counts 9% apart (``kernel_grid``), about 40 counts per
        shape, which loads most kernels cuBLAS picks (DeepSeek-V3.2 dimensions: about 1 s);
-    3. ``fill``: every 8th count between, spread first (:func:`spread`).
+    3. ``fill``: every count up to 512, then every 8th, smallest first (:func:`fill_counts`).
 
     The budget counts from the start of kwarm's warmup; the families before this one spend it
     first, except their time on a start where they compiled (``budget.credit``). The grid always
     runs: left to the budget, a cold start lost it (vLLM 0.29.0, published-size DeepSeek-V3.2:
     the first 200-, 1332- and 616-token steps paid 54, 37 and 33 ms more than their repeats,
-    7.5, 0.3 and 7.7 ms with the grid warmed). With the fill too (KWARM_BUDGET=unlimited, cold),
-    request 0 paid 3.5 ms more (cProfile): cuBLAS's choice at a count no pass warmed.
+    7.5, 0.3 and 7.7 ms with the grid warmed). With an every-8th fill too (unlimited budget,
+    cold), request 0 paid 3.5 ms more (cProfile): cuBLAS's choice at a count no pass warmed,
+    5-7% of a short prefill's step, hence every count up to 512 first.
 
     On CUDA each pass is *captured* into CUDA graphs that are never replayed: cuBLAS makes its
     choice and the driver loads the kernel at capture, and the GPU computes nothing. Measured
@@ -78,11 +79,10 @@ Remove when:
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
-from kwarm_ext import budget, config, triton_compile
-from kwarm_ext.kernels import cublaslt
+from kwarm_ext import budget
+from kwarm_ext.kernels import cublaslt, gemm_capture
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import model_dtype
 from kwarm_ext.kernels.model_runner import eager_range, runner_models
@@ -98,10 +98,9 @@ _LM_HEAD_UNQUANTIZED = ("vllm.model_executor.layers.vocab_parallel_embedding:Unq
 _MLA = ("vllm.model_executor.layers.attention.mla_attention:MLAAttention",)
 _OTHER_BMMS = ("is_aiter_triton_fp8_bmm_enabled", "is_aiter_triton_fp4_bmm_enabled", "is_amx_bmm_enabled")
 EXACT_UP_TO = 64  # every token count up to this one is warmed exactly (decode-sized steps)
-FILL_STRIDE = 8  # the fill pass: every 8th token count above EXACT_UP_TO
+DENSE_UP_TO = 512  # the fill pass: every token count up to this one,
+FILL_STRIDE = 8  # then every 8th
 GRID_STEPS_PER_DOUBLING = 8  # the kernel grid: counts about 9% apart
-CAPTURE_THREADS = 8  # at most this many threads capture one pass
-PROBLEMS_PER_THREAD = 64  # at least this many problems per capture thread
 
 
 @dataclasses.dataclass
@@ -116,6 +115,7 @@ class Target:
     prepare: object  # (buffers) -> warm(m): its inputs (outside any capture)
     inputs: tuple | None = None  # (elements, dtype, device) it views from the pass's shared buffer
     captured: bool = True  # False: its GEMMs run even on CUDA (the router gate's own forward)
+    out_bytes: int = 0  # what one call at `last` allocates (its outputs)
 
 
 def applies(view) -> str | None:
@@ -129,7 +129,7 @@ def applies(view) -> str | None:
 def plan(view, forced) -> list | Plan:
     """Steps: the heuristics cache, then three passes over every GEMM target, most useful
     first: ``exact`` (small and learned token counts), ``grid`` (the kernel grid) and ``fill``
-    (every 8th count between), the last within KWARM_BUDGET. Details: what each pass
+    (every count to 512, then every 8th), the last within KWARM_BUDGET. Details: what each pass
     warmed and left (:func:`describe`)."""
     model = model_of(view.runner)
     device_type = _device_type(view)
@@ -185,7 +185,8 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
                 targets.append(Target(kind, f"{name} {tuple(weight.shape)}{' +bias' if bias is not None else ''}"
                                       + (" router gate (its forward)" if own else ""),
                                       max(lo, 1), hi, 1, _gate(layer, dtype) if own else _linear(layer, bias),
-                                      (hi * weight.shape[1], dtype, weight.device), captured=not own))
+                                      (hi * weight.shape[1], dtype, weight.device), captured=not own,
+                                      out_bytes=hi * weight.shape[0] * weight.element_size()))
     try:
         layers = mla_layers(model, resolve(*_MLA), device_type)
     except Missing as exc:
@@ -198,7 +199,9 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
         if hi >= 1:
             label = (f"{name} W_UK_T {tuple(layer.W_UK_T.shape)} W_UV {tuple(layer.W_UV.shape)}"
                      f"{' sparse' if _sparse(layer) else ''}")
-            targets.append(Target("mla_bmm", label, 1, hi, 2 if _pads_heads(layer) else 3, _mla(layer, hi)))
+            uk = layer.W_UK_T
+            targets.append(Target("mla_bmm", label, 1, hi, 2 if _pads_heads(layer) else 3, _mla(layer, hi),
+                                  out_bytes=2 * layer.num_heads * hi * uk.shape[2] * uk.element_size()))
     if not any(t.kind == "mla_bmm" for t in targets):
         skips.append(Step("mla_bmm", KERNEL, skip="no token counts to warm"))
     return targets, skips
@@ -236,18 +239,14 @@ def kernel_grid(first: int, last: int, steps_per_doubling: int = GRID_STEPS_PER_
 
 
 def fill_counts(first: int, last: int) -> list:
-    """Every FILL_STRIDE-th count above EXACT_UP_TO, spread first (:func:`spread`)."""
+    """Above EXACT_UP_TO, every count up to DENSE_UP_TO, then every FILL_STRIDE-th, smallest
+    first: a first call costs about the same at any count (cuBLAS's choice, a kernel load), a
+    small fraction of a long step, so a budget cut leaves the requests the largest counts."""
     if last < first or last < 1:
         return []
-    return spread(list(range(max(first, EXACT_UP_TO + 1), last + 1, FILL_STRIDE)))
-
-
-def spread(values: list) -> list:
-    """`values` reordered so that any prefix covers the list evenly (bit-reversed order of
-    the indices): a budget cut leaves no large hole."""
-    bits = max(1, (len(values) - 1).bit_length())
-    order = sorted(range(len(values)), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
-    return [values[i] for i in order]
+    start = max(first, EXACT_UP_TO + 1)
+    dense = list(range(start, min(last, DENSE_UP_TO) + 1))
+    return dense + list(range(max(start, DENSE_UP_TO + FILL_STRIDE), last + 1, FILL_STRIDE))
 
 
 def describe(details: dict) -> dict:
@@ -277,7 +276,7 @@ def describe(details: dict) -> dict:
 def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict, tp_size=None):
     """One pass: each target at its counts, largest first; on CUDA captured into CUDA graphs
     that are never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
-    nothing), on :func:`capture_threads` threads, elsewhere run. A budgeted pass stops when
+    nothing), on threads (``gemm_capture``), elsewhere run. A budgeted pass stops when
     KWARM_BUDGET is spent."""
     def step():
         import torch
@@ -292,14 +291,16 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 calls = [(target, target.prepare(buffers)) for target, _ in captured]
                 order = _order([counts for _, counts in captured], interleave=budgeted)
                 if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
-                    warmed, left, mode = _warm(calls, order, budgeted) + ("warmed",)
+                    warmed, left, mode = gemm_capture.warm(calls, order, budgeted) + ("warmed",)
                 else:
-                    threads = capture_threads(device_type, len(order), tp_size)
-                    warmed, left, mode = _captured(calls, order, budgeted, torch, device_type, threads)
+                    free = torch.cuda.mem_get_info()[0] if device_type == "cuda" else None
+                    threads = gemm_capture.capture_threads(device_type, len(order), tp_size, free,
+                                              max(t.out_bytes for t, _ in captured))
+                    warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, device_type, threads)
                 modes.append(mode)
             if ran:
                 calls = [(target, target.prepare(buffers)) for target, _ in ran]
-                done, rest = _warm(calls, _order([counts for _, counts in ran], interleave=budgeted), budgeted)
+                done, rest = gemm_capture.warm(calls, _order([counts for _, counts in ran], interleave=budgeted), budgeted)
                 warmed, left = warmed + done, left + rest
                 if done or not modes:
                     modes.append(f"{len(ran)} router gate{'s' if len(ran) > 1 else ''} run" if done else "warmed")
@@ -310,64 +311,6 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
             + [f"{warmed} GEMM problems {mode}" + (f", {left} left to the requests (KWARM_BUDGET)" if left else "")]
 
     return step
-
-
-def _captured(calls: list, order: list, budgeted: bool, torch, device_type: str | None, threads: int = 1) -> tuple:
-    """``(warmed, left, mode)``: :func:`_warm` in :func:`_session` on `threads` threads, else on
-    this one; run instead where capture fails."""
-    note = ""
-    if threads > 1:
-        try:
-            return _captured_on_threads(calls, order, budgeted, torch, device_type, threads)
-        except Exception as exc:  # a thread's capture refused: all of it again on this thread
-            if config.strict():
-                raise
-            note = f" (on {threads} threads failed: {type(exc).__name__}: {exc})"
-    try:
-        with _session(torch, device_type) as mode:
-            return _warm(calls, order, budgeted) + (mode + note,)
-    except Exception as exc:  # capture refused: run them instead (stricter CI sees it)
-        if device_type != "cuda" or config.strict():
-            raise
-        return _warm(calls, order, budgeted) + (f"run (capture failed: {type(exc).__name__}: {exc}){note}",)
-
-
-def capture_threads(device_type: str | None, problems: int, tp_size=None) -> int:
-    """On CUDA, this rank's share of the cores up to :data:`CAPTURE_THREADS`, at least
-    :data:`PROBLEMS_PER_THREAD` problems each; 1 elsewhere (CPU GEMMs run, nothing is chosen)."""
-    if device_type != "cuda":
-        return 1
-    return max(1, min(CAPTURE_THREADS, triton_compile.compile_threads(tp_size), problems // PROBLEMS_PER_THREAD))
-
-
-def _captured_on_threads(calls: list, order: list, budgeted: bool, torch, device_type: str | None,
-                         threads: int) -> tuple:
-    """``(warmed, left, mode)`` of `order` dealt round-robin to `threads` threads, each in its own
-    :func:`_session` under inference mode on this thread's device. Each share keeps the pass's
-    order (a budget cut leaves each as evenly covered). A thread's exception is raised here."""
-    import threading
-
-    device = torch.cuda.current_device() if device_type == "cuda" else None
-    results: list = [None] * threads
-
-    def work(k):
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)  # a new thread starts on device 0
-            with torch.inference_mode(), _session(torch, device_type) as mode:
-                results[k] = _warm(calls, order[k::threads], budgeted) + (mode,)
-        except Exception as exc:  # raised on the calling thread below
-            results[k] = exc
-
-    workers = [threading.Thread(target=work, args=(k,), name=f"kwarm-eager-gemm-{k}") for k in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    for result in results:
-        if isinstance(result, Exception):
-            raise result
-    return (sum(r[0] for r in results), sum(r[1] for r in results), f"{results[0][2]} on {threads} threads")
 
 
 def _shared_inputs(torch, targets: list) -> dict:
@@ -385,46 +328,11 @@ def _shared_inputs(torch, targets: list) -> dict:
 
 def _order(counts: list, interleave: bool) -> list:
     """(target index, m) in warming order: target by target, largest count first; or, for a
-    budgeted pass, round-robin over the targets in each list's own (spread) order, so that a
+    budgeted pass, round-robin over the targets in each list's own order, so that a
     budget cut leaves every shape equally covered."""
     if not interleave:
         return [(i, m) for i, ms in enumerate(counts) for m in sorted(ms, reverse=True)]
     return [(i, ms[k]) for k in range(max(map(len, counts), default=0)) for i, ms in enumerate(counts) if k < len(ms)]
-
-
-def _warm(calls: list, order: list, budgeted: bool) -> tuple[int, int]:
-    """Warm `order`; returns (problems warmed, problems left when the budget ran out)."""
-    warmed = 0
-    for n, (i, m) in enumerate(order):
-        if budgeted and budget.left() <= 0:
-            return warmed, sum(calls[j][0].calls for j, _ in order[n:])
-        calls[i][1](m)
-        warmed += calls[i][0].calls
-    return warmed, 0
-
-
-@contextlib.contextmanager
-def _session(torch, device_type: str | None):
-    """Yields how the GEMMs run: "captured" (a CUDA graph, discarded) or "run". Capture uses a
-    side stream whose cuBLAS workspace exists before capture begins, and thread-local capture
-    mode, so that vLLM's other threads are not affected."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        yield "run"
-        return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        a = torch.zeros((8, 8), dtype=torch.bfloat16, device="cuda")
-        torch.addmm(a, a, a), torch.mm(a, a), torch.bmm(a[None], a[None])  # workspaces, outside capture
-        stream.synchronize()
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            yield "captured into a CUDA graph, not run"
-        finally:
-            graph.capture_end()
-            del graph
-    torch.cuda.current_stream().wait_stream(stream)
 
 
 def _linear(layer, bias):

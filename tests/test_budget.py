@@ -84,6 +84,14 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
         budget.begin(("unlimited", None))
         budget.credit(5.0)
         assert budget.left() == float("inf")
+        # auto: credits stop at 14% of the time before warmup (the cold bound is 15% of vLLM's start)
+        monkeypatch.setattr(budget, "process_age_s", lambda: 100.0)
+        budget.begin(("percent", 8.0))
+        budget.credit(30.0)
+        assert 13.5 < budget.left() <= 14.0
+        budget.begin(("seconds", 2.0))
+        budget.credit(30.0)
+        assert budget.left() > 31, "an explicit number of seconds: every credit"
     finally:
         budget.reset()
 

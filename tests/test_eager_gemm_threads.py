@@ -30,12 +30,12 @@ def test_a_pass_is_dealt_to_threads_each_problem_once_in_its_order():
     import torch
 
     from kwarm_ext import budget
-    from kwarm_ext.kernels import eager_gemm
+    from kwarm_ext.kernels import eager_gemm, gemm_capture
 
     log = []
     calls = _threaded_calls(log)
     order = eager_gemm._order([eager_gemm.fill_counts(65, 400)] * 2, interleave=True)
-    warmed, left, mode = eager_gemm._captured(calls, order, True, torch, "cpu", threads=3)
+    warmed, left, mode = gemm_capture.capture(calls, order, True, torch, "cpu", threads=3)
     assert (warmed, left) == (len(order), 0) and mode == "run on 3 threads"
     assert sorted((i, m) for i, m, _, _ in log) == sorted(order), "every problem once"
     threads = {name for _, _, name, _ in log}
@@ -47,7 +47,7 @@ def test_a_pass_is_dealt_to_threads_each_problem_once_in_its_order():
     log.clear()
     try:
         budget.begin(("seconds", 0.0))
-        assert eager_gemm._captured(calls, order, True, torch, "cpu", threads=3)[:2] == (0, len(order))
+        assert gemm_capture.capture(calls, order, True, torch, "cpu", threads=3)[:2] == (0, len(order))
         assert log == [], "a spent budget: every thread's share left to the requests"
     finally:
         budget.reset()
@@ -56,28 +56,34 @@ def test_a_pass_is_dealt_to_threads_each_problem_once_in_its_order():
 def test_a_thread_that_fails_leaves_the_pass_to_one_thread_with_a_note(kwarm_env):
     import torch
 
-    from kwarm_ext.kernels import eager_gemm
+    from kwarm_ext.kernels import eager_gemm, gemm_capture
 
     kwarm_env()
     log = []
     calls = _threaded_calls(log, fail_off_main=True)
     order = eager_gemm._order([[65, 73, 81]] * 2, interleave=False)
-    warmed, left, mode = eager_gemm._captured(calls, order, False, torch, "cpu", threads=2)
+    warmed, left, mode = gemm_capture.capture(calls, order, False, torch, "cpu", threads=2)
     assert (warmed, left) == (len(order), 0)
     assert mode == "run (on 2 threads failed: RuntimeError: operation not permitted when stream is capturing)"
     assert [(i, m) for i, m, _, _ in log] == order, "all of it again, in order, on this thread"
     kwarm_env(KWARM_STRICT="1")
     with pytest.raises(RuntimeError):
-        eager_gemm._captured(calls, order, False, torch, "cpu", threads=2)
+        gemm_capture.capture(calls, order, False, torch, "cpu", threads=2)
 
 
-def test_capture_threads_share_the_ranks_cores_on_cuda_only(monkeypatch):
+def test_capture_threads_share_the_ranks_cores_and_the_free_memory_on_cuda_only(monkeypatch):
     from kwarm_ext import triton_compile
-    from kwarm_ext.kernels import eager_gemm
+    from kwarm_ext.kernels import gemm_capture
 
+    threads = gemm_capture.capture_threads
     monkeypatch.setattr(triton_compile.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert eager_gemm.capture_threads("cuda", 28487) == eager_gemm.CAPTURE_THREADS == 8
-    assert eager_gemm.capture_threads("cuda", 28487, tp_size=4) == 4, "four ranks on 16 cores"
-    assert eager_gemm.capture_threads("cuda", 200) == 3, "at least 64 problems a thread"
-    assert eager_gemm.capture_threads("cuda", 10) == 1
-    assert eager_gemm.capture_threads("cpu", 28487) == eager_gemm.capture_threads(None, 28487) == 1
+    assert threads("cuda", 28487) == gemm_capture.CAPTURE_THREADS == 8
+    assert threads("cuda", 28487, tp_size=4) == 4, "four ranks on 16 cores"
+    assert threads("cuda", 200) == 3, "at least 64 problems a thread"
+    assert threads("cuda", 10) == 1
+    # each thread's graph keeps its own pool, about twice the largest output; half the free memory stays free
+    gib = 1 << 30
+    assert threads("cuda", 28487, free_bytes=40 * gib, out_bytes=gib) == 8
+    assert threads("cuda", 28487, free_bytes=10 * gib, out_bytes=gib) == 2
+    assert threads("cuda", 28487, free_bytes=gib, out_bytes=gib) == 1
+    assert threads("cpu", 28487) == threads(None, 28487) == 1

@@ -212,7 +212,7 @@ CASES = {
 EXACT = list(range(33, 65))
 # 33 x 2^(i/8), rounded, up to 200: the kernel grid (its counts up to 64 are exact ones already)
 GRID = [33, 36, 39, 43, 47, 51, 55, 61, 66, 72, 78, 86, 93, 102, 111, 121, 132, 144, 157, 171, 187, 200]
-FILL = list(range(65, 201, 8))  # every 8th count above 64
+FILL = list(range(65, 201))  # every count above 64 (every 8th from 520 on: test_fill_counts)
 
 
 pytestmark = pytest.mark.parametrize("release", MATRIX)
@@ -243,15 +243,14 @@ def test_one_layer_per_gemm_shape_exact_then_grid_then_fill(release):
     # itself (skip_bias_add) is not passed, so row_skip_bias is a bias-less shape of its own
     column = _ms(result, "column")
     assert _ms(result, "column_twin") == []
-    # exact: 64..33, largest first; then the grid's counts above 64, largest first; then the fill, spread
+    # exact: 64..33, largest first; then the grid's counts above 64, largest first; then the fill, smallest first
     grid_rest = [m for m in GRID if m > 64]
     fill_rest = [m for m in FILL if m not in GRID]
     assert column[:len(EXACT)] == EXACT[::-1]
     grid = column[len(EXACT):len(EXACT) + len(grid_rest)]
     assert grid == grid_rest[::-1]
     fill = column[len(EXACT) + len(grid_rest):]
-    assert sorted(fill) == sorted(fill_rest) and len(fill) == len(set(fill)), "each count once"
-    assert fill[:3] == [65, 193, 129], "spread first: bit-reversed order over the fill's counts"
+    assert fill == fill_rest, "each count once, smallest first: a budget cut leaves the largest"
     assert _ms(result, "row_bias") == column and _ms(result, "row_skip_bias") == column
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_bias"} == {True}
     assert {c["bias"] for c in result["calls"] if c["layer"] == "row_skip_bias"} == {False}
@@ -324,7 +323,7 @@ def test_learned_token_counts_are_warmed_exactly_first(release):
 
 def test_without_cuda_graphs_from_one_token(release):
     result = _batch(release)["no_graphs"]
-    assert sorted(_ms(result, "router")) == list(range(1, 66)) + [70]
+    assert sorted(_ms(result, "router")) == list(range(1, 71)), "exact 1..64, the grid, every count of the fill"
 
 
 def test_no_linear_layers_is_a_skip(release):
@@ -380,3 +379,11 @@ def test_heuristics_cache_capacity_is_raised_never_lowered(release):
     assert cache["step"] == [f"capacity {raised} -> {raised} (5 problems to warm)"]
     assert cache["details"] == {"problems": 5, "before": raised, "after": raised, "reason": None}
     assert cache["none"] == [None, None, "no cuBLASLt library loaded"]
+
+
+def test_fill_counts_every_count_to_512_then_every_8th_smallest_first(release):
+    from kwarm_ext.kernels import eager_gemm
+
+    assert eager_gemm.fill_counts(33, 600) == list(range(65, 513)) + list(range(520, 601, 8))
+    assert eager_gemm.fill_counts(513, 560) == list(range(520, 561, 8))
+    assert eager_gemm.fill_counts(1, 64) == [] and eager_gemm.fill_counts(100, 50) == []
