@@ -135,13 +135,14 @@ FAMILIES = {
         Family("eager_gemm", "kwarm_ext.kernels.eager_gemm",
                "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
-               "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA "
-               "(the MoE router gate runs through its own forward)",
+               "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA, "
+               "on up to 8 threads (the MoE router gate runs through its own forward)",
                "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
                "torch's CUDA caching allocator, after CUDA-graph capture: blocks allocated and freed on the "
                "model's and vLLM's aux stream, and FLASH_ATTN_MLA_SPARSE's forward_mqa at each one-request "
-               "decode size (FlashAttention 3's scratch), so that the first request's allocations find them",
+               "decode size (FlashAttention 3's scratch), and vLLM's eager dummy step at max_num_batched_tokens "
+               "(the large pool), so that the first requests' allocations find them",
                "none (0.20-0.33)", after_capture=True),
     )
 }
