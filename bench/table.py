@@ -326,19 +326,21 @@ def render_start_cost(runs: list[dict]) -> str:
         models.setdefault(run["model"], []).append(run)
     out = ["## Start cost and first-request excess", "",
            "excess: the sum over (first, repeat) pairs of first s - repeat s; first/steady \"(profiled)\": "
-           "request 0 or its repeat ran under a profiler or the allocator's recording, whose overhead it includes.", ""]
+           "request 0 or its repeat ran under a profiler or the allocator's recording, whose overhead it includes; "
+           "control: request 0's shape once more, last, over its repeat (nothing left to meet: the noise floor).", ""]
     for model, group in models.items():
         several = len({run["scenario"] for run in group}) > 1
         out += [f"### Start cost: {model}", "",
-                "| run | init s | kwarm warmup s | top families s | excess ms | first/steady | JIT in requests |",
-                "|---|---|---|---|---|---|---|"]
+                "| run | init s | kwarm warmup s | top families s | excess ms | first/steady | control | JIT in requests |",
+                "|---|---|---|---|---|---|---|---|"]
         for run in group:
             name = run_label(run) + (f" · `{run['scenario']}`" if several else "")
             if run.get("complete") is False:
                 name += " (cut short)"
             warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
             out.append(f"| {name} | {init_cell(run)} | {warm} | {top_families(run)} "
-                       f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} | {jit_cell(run)} |")
+                       f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} | {fmt_ratio(control_ratio(run))} "
+                       f"| {jit_cell(run)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -96,7 +96,7 @@ def test_a_profiled_first_request_marks_first_steady(run):
     run["requests"][1]["profiled"] = True  # the repeat under cProfile or the allocator's recording
     assert table.first_steady_profiled(run)
     assert table.render_table([run]).splitlines()[-1].endswith("| 82.4 (profiled) |")
-    assert "| 82.4 (profiled) | 14 |" in table.render_start_cost([run])
+    assert "| 82.4 (profiled) | — | 14 |" in table.render_start_cost([run])
     del run["requests"][1]["profiled"]
     run["requests"][2]["profiled"] = True  # another pair's: the headline is untouched
     assert table.first_steady_cell(run) == "82.4"
@@ -261,10 +261,15 @@ def test_start_cost_section(run, tmp_path, capsys):
     assert "### Start cost: tiny-qwen3-next" in lines
     rows = [line for line in lines if line.startswith("| vLLM")]
     assert rows == [
-        "| vLLM 0.24.0 · kwarm off · cold Triton cache | 127 | — | — | 4203 | 82.4 | 14 |",
-        "| vLLM 0.24.0 · kwarm on · warm Triton cache | 31 | 8.70 | qwen_gdn 8.00, runner 0.600 | 1363 | 7.63 | 2 |",
+        "| vLLM 0.24.0 · kwarm off · cold Triton cache | 127 | — | — | 4203 | 82.4 | — | 14 |",
+        "| vLLM 0.24.0 · kwarm on · warm Triton cache | 31 | 8.70 | qwen_gdn 8.00, runner 0.600 | 1363 | 7.63 | — | 2 |",
         "| vLLM 0.24.0 · kwarm on (replay) · cold Triton cache | 40 | 8.70 "
-        "| eager_gemm 1.20, dummy_runs 0.400, runner 0.150, +1 more | 1363 | 7.63 | 2 + 2 DeepGEMM |"]
+        "| eager_gemm 1.20, dummy_runs 0.400, runner 0.150, +1 more | 1363 | 7.63 | — | 2 + 2 DeepGEMM |"]
+    # a run that ends with a control (request 0's shape once more): its ratio over request 0's repeat
+    controlled = kwarm_on_run(run)
+    controlled["requests"].append(dict(controlled["requests"][0], i=len(controlled["requests"]), repeat_of=None,
+                                       control_of=0, s=controlled["requests"][1]["s"] * 1.25, kernels=[], jit=0))
+    assert f"| 7.63 | {table.fmt_ratio(1.25)} | 2 |" in table.render_start_cost([controlled])
     on["complete"], on["scenario"] = False, "pairs"  # two scenarios of one model: named in the row
     text = table.render_start_cost([on, run])
     assert "| vLLM 0.24.0 · kwarm on · warm Triton cache · `pairs` (cut short) | 31 |" in text
