@@ -72,7 +72,8 @@ decode threshold (the V2 runner's warmup_kernels, 0.29+, runs 16 x 2 tokens).
 
 Remove when:
     vLLM stops emptying the allocator's cache after capture, or warms the prefill path after it
-    (the pools and the largest step), and runs its sparse MQA at the decode threshold after capture (the scratch).
+    (the pools and the largest step), and runs its sparse MQA at the decode threshold after
+    capture (the scratch).
 """
 from __future__ import annotations
 

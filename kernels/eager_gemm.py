@@ -295,7 +295,7 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 else:
                     free = torch.cuda.mem_get_info()[0] if device_type == "cuda" else None
                     threads = gemm_capture.capture_threads(device_type, len(order), tp_size, free,
-                                              max(t.out_bytes for t, _ in captured))
+                                                           max(t.out_bytes for t, _ in captured))
                     warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, device_type, threads)
                 modes.append(mode)
             if ran:

@@ -87,8 +87,8 @@ def credit(seconds: float) -> None:
     global _deadline
     if _deadline is not None and seconds > 0:
         _deadline += seconds
-        if _limit is not None:
-            _deadline = min(_deadline, max(_limit, time.monotonic()))
+        if _limit is not None:  # the deadline starts at or before the limit
+            _deadline = min(_deadline, _limit)
 
 
 def left() -> float:
