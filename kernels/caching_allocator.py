@@ -64,7 +64,8 @@ How:
     ``model_runner.dummy_runner``) at ``max_num_batched_tokens``, where no CUDA graph runs; its
     activations, freed, stay cached: at most what vLLM's memory profile set aside for that very
     step, and what the first request of that size would leave cached anyway. A request's
-    allocations then split those blocks. Every rank runs the same step (its collectives line up).
+    allocations then split those blocks. Every rank runs the same step (its collectives line up):
+    only a worker without peers skips it for want of free memory.
 
 Upstream: none (0.20-0.33); vLLM keeps only the sampler's buffers it allocates after capture,
 and no warmup of 0.28-0.33 runs FLASH_ATTN_MLA_SPARSE's forward_mqa outside capture at the
@@ -84,7 +85,7 @@ import time
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.attention_groups import (block_table, bound_kv_cache, dataclass_instance, group_id_of,
                                                 group_layer, groups_of, metadata_builder, model_dtype)
-from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, synchronize
+from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, one_process, synchronize
 from kwarm_ext.vllm_compat import Missing
 
 NAME = "caching_allocator"
@@ -282,7 +283,7 @@ def largest_step(view, run, tokens: int, details: dict) -> list:
 
     device = view.device
     free_device = torch.cuda.mem_get_info(device)[0]
-    if free_device < MIN_DEVICE_FREE:
+    if free_device < MIN_DEVICE_FREE and one_process():  # with peers every rank runs it: collectives
         text = f"no eager step: {free_device >> 20} MiB free on the device"
     else:
         before = torch.cuda.memory_stats(device)

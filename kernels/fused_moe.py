@@ -81,7 +81,7 @@ import time
 
 from kwarm_ext import triton_compile
 from kwarm_ext.families import Plan, Step
-from kwarm_ext.kernels.model_runner import dummy_runner, eager_range
+from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, one_process
 from kwarm_ext.vllm_compat import Missing, bind, resolve
 
 NAME = "fused_moe"
@@ -128,20 +128,8 @@ def plan(view, forced) -> list | Plan:
     threads = max(2, triton_compile.compile_threads(view.tp_size))
     details: dict = {}
     return Plan([Step("eager_sizes", KERNEL,
-                      run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, _one_process(), details))],
+                      run=lambda: warm_eager_sizes(config_fn, dummy_run, first, last, threads, one_process(), details))],
                 lambda: dict(details))
-
-
-def _one_process() -> bool:
-    """Whether this worker is alone (no torch.distributed peers). With peers, every rank must
-    run the same dummy runs (their collectives pair up), so the probe's timing, which differs
-    per rank, may not decide whether the compile-ahead pass runs: it always does."""
-    try:
-        import torch.distributed as dist
-
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-    except Exception:
-        return False
 
 
 # ---------------------------------------------------------------------------- the config calls

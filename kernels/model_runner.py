@@ -66,6 +66,18 @@ def dummy_runner(runner, **extra):
     return run
 
 
+def one_process() -> bool:
+    """Whether this worker is alone (no torch.distributed peers). With peers, every rank must
+    run the same dummy runs (their collectives pair up), so nothing that differs per rank (a
+    probe's timing, the free memory) may decide whether one runs."""
+    try:
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    except Exception:
+        return False
+
+
 def synchronize(device) -> None:
     if device is None or getattr(device, "type", None) != "cuda":
         return

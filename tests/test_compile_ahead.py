@@ -99,7 +99,7 @@ def test_a_worker_without_peers_is_alone():
     import torch.distributed as dist
 
     assert not (dist.is_available() and dist.is_initialized())
-    assert fused_moe._one_process() is True
+    assert fused_moe.one_process() is True
 
 
 def test_triton_attn_compile_ahead_failing_is_one_warning_naming_the_group(monkeypatch, kwarm_env, kwarm_log):

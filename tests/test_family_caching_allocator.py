@@ -155,6 +155,13 @@ def test_the_largest_eager_step_leaves_its_activations_cached(gpu_allocator, kwa
     warmup.run(worker)
     step = warmup.after_capture(worker)["families"][0]["steps"][1]
     assert step["variants"] == ["no eager step: 512 MiB free on the device"] and len(calls) == 1
+    # with torch.distributed peers every rank runs the step whatever its free memory: the
+    # forward's collectives must pair up across ranks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ca, "one_process", lambda: False)
+        warmup.run(worker)
+        warmup.after_capture(worker)
+    assert len(calls) == 2 and calls[-1]["num_tokens"] == 1024
 
     bare = stand_in_worker(device="cuda:0")
     warmup.run(bare)
