@@ -176,9 +176,9 @@ def _sparse_mqa_scratch(view, group, details: dict) -> list:
     import torch
 
     device = view.device
-    free_device = torch.cuda.mem_get_info(device)[0]
-    if free_device < MIN_DEVICE_FREE:
-        text = f"{group_label(group)}: nothing run: {free_device >> 20} MiB free on the device"
+    short = short_of_memory(device)
+    if short:
+        text = f"{group_label(group)}: nothing run: {short}"
     else:
         tokens = sparse_mqa_tokens(view, group)
         before = torch.cuda.memory_stats(device)
@@ -195,6 +195,14 @@ def _sparse_mqa_scratch(view, group, details: dict) -> list:
                 f"({grown['segment.large_pool.current']} segments new)")
     details.setdefault("sparse_mqa", []).append(text)
     return [text]
+
+
+def short_of_memory(device: str) -> str | None:
+    """"N MiB free on the device" where less than MIN_DEVICE_FREE is free, else None."""
+    import torch
+
+    free_device = torch.cuda.mem_get_info(device)[0]
+    return f"{free_device >> 20} MiB free on the device" if free_device < MIN_DEVICE_FREE else None
 
 
 def reserve(device: str, blocks: int, size: int = BLOCK) -> None:
@@ -234,9 +242,9 @@ def _reserve(view, details: dict) -> list:
     import torch
 
     device = view.device
-    free_device = torch.cuda.mem_get_info(device)[0]
-    if free_device < MIN_DEVICE_FREE:
-        text = f"nothing reserved: {free_device >> 20} MiB free on the device"
+    short = short_of_memory(device)
+    if short:
+        text = f"nothing reserved: {short}"
     else:
         parts = []
         first = small_pool(torch.cuda.memory_stats(device))
@@ -282,9 +290,9 @@ def largest_step(view, run, tokens: int, details: dict) -> list:
     import torch
 
     device = view.device
-    free_device = torch.cuda.mem_get_info(device)[0]
-    if free_device < MIN_DEVICE_FREE and one_process():  # with peers every rank runs it: collectives
-        text = f"no eager step: {free_device >> 20} MiB free on the device"
+    short = short_of_memory(device) if one_process() else None  # with peers every rank runs it: collectives
+    if short:
+        text = f"no eager step: {short}"
     else:
         before = torch.cuda.memory_stats(device)
         t0 = time.perf_counter()

@@ -52,6 +52,7 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
     # on a cold cache the compiles, which always run, spent the whole budget before eager_gemm's
     # fill; a family's time on a start where it compiled is not charged (kwarm_ext.warmup)
     import contextlib
+    import sys
     import time as clock
 
     from kwarm_ext import families, monitor, warmup
@@ -66,12 +67,12 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
     module = types.ModuleType("kwarm_budget_family")
     module.applies = lambda view: None
     module.plan = lambda view, forced: [families.Step("compile", "k", run=lambda: clock.sleep(0.3) or ["v"])]
-    monkeypatch.setitem(__import__("sys").modules, "kwarm_budget_family", module)
+    monkeypatch.setitem(sys.modules, "kwarm_budget_family", module)
     registry = {"fam": families.Family("fam", "kwarm_budget_family", "t")}
     monkeypatch.setattr(warmup, "FAMILIES", registry)
     monkeypatch.setattr(families, "FAMILIES", registry)
     monkeypatch.setattr(monitor, "capture", capture)
-    kwarm_env(KWARM_BUDGET="0.5")
+    kwarm_env()
     view = warmup.engine.build(stand_in_worker())
     try:
         budget.begin(("seconds", 0.5))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+
 def _threaded_calls(log, fail_off_main=False):
     """Two targets whose warm(m) records (target, m, thread, inference mode): the shape of a
-    pass's ``calls`` (the GEMMs themselves are what the batch above checks)."""
+    pass's ``calls`` (the GEMMs themselves: tests/test_family_eager_gemm.py)."""
     import threading
 
     import torch
