@@ -351,6 +351,17 @@ class LogRecords(logging.Handler):
         return [r.getMessage() for r in self.records if r.levelno >= level]
 
 
+@pytest.fixture(autouse=True)
+def _no_budget_left_over():
+    """No test starts inside an earlier test's warmup budget: ``kwarm_ext.warmup.run`` begins
+    a process-wide deadline and leaves it (an engine warms once), so an in-process warmup's
+    deadline, passed by the time a later test on the same worker ran, spent its budget."""
+    budget = sys.modules.get("kwarm_ext.budget")
+    if budget is not None:
+        budget.reset()
+    yield
+
+
 @pytest.fixture
 def kwarm_log():
     """Records of the ``kwarm`` logger (it does not propagate to the root, so caplog misses it)."""
