@@ -8,7 +8,7 @@ Standard library only (no matplotlib). Per (model, vLLM, scenario), one row of t
 - engine init seconds, grouped by cache condition (cold, warm, and "replay": empty caches
   with a learned manifest), one bar per kwarm mode; the darker part of a kwarm-on bar is
   kwarm's own warmup;
-- the first-request excess in ms (sum over (first, repeat) pairs of first s - repeat s),
+- the first-request excess in ms (sum over first requests of first s - steady s, the median of their repeats),
   same groups and bars.
 Then, per (model, vLLM, scenario, cache label) that has both a kwarm-off and a kwarm-on run,
 the seconds of every request (log scale) by request index; hollow markers are repeats.

@@ -91,7 +91,12 @@ def prompt_ids(batch: int, length: int, seed: int) -> list[dict]:
             for j in range(batch)]
 
 
-def build_scenario(name: str) -> list[Request]:
+def build_scenario(name: str, repeats: int = 1) -> list[Request]:
+    """`name`'s requests; `repeats` (pairs only): how many repeats follow each first request."""
+    if repeats < 1:
+        raise ValueError(f"--repeats is at least 1, got {repeats}")
+    if repeats != 1 and name != "pairs":
+        raise ValueError(f"--repeats {repeats} needs --scenario pairs")
     if name == "smoke":
         # gpu-baseline.md's five requests, same prompts as gpu-kit/smoke.py (the repeats are
         # identical prompts there, so they may hit the prefix cache; kept for comparability).
@@ -119,8 +124,10 @@ def build_scenario(name: str) -> list[Request]:
                     repeat_of=10, seed=12, mixed=(2, 300)),
         ]
     if name == "pairs":
-        # every shape immediately followed by its repeat (own token ids each): request 2k+1
-        # repeats 2k, so every first request has a same-shape baseline for its excess
+        # every shape immediately followed by its repeat (own token ids each): with one repeat
+        # request 2k+1 repeats 2k, so every first request has a same-shape baseline for its
+        # excess. More repeats make that baseline their median and measure the spread of one
+        # request's time, against which a first request's excess is read (table.excess_noise_s).
         firsts = [
             Request("prefill 1x200", 1, 200),
             Request("prefill 1x37", 1, 37),
@@ -135,7 +142,8 @@ def build_scenario(name: str) -> list[Request]:
         for first in firsts:
             i = len(out)
             out.append(dataclasses.replace(first, seed=i + 1))
-            out.append(dataclasses.replace(first, label=first.label + " (repeat)", repeat_of=i, seed=i + 2))
+            out += [dataclasses.replace(first, label=first.label + (f" (repeat {k + 1})" if repeats > 1 else " (repeat)"),
+                                        repeat_of=i, seed=i + 2 + k) for k in range(repeats)]
         # the control: request 0's shape once more, last, after a pause. As slow as request 0
         # against its repeat, the excess comes from running after other work, which no warmup
         # removes; as fast as the repeat, it is a first-time cost.
@@ -194,6 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("model", help="model config folder (or a name under bench/models/)")
     p.add_argument("--kwarm", choices=("on", "off"), default="on")
     p.add_argument("--scenario", choices=SCENARIOS, default="default")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="pairs scenario: N repeats after each first request (default 1); with N >= 2 "
+                        "the steady time is their median and the excess gets a noise estimate")
     p.add_argument("--triton-cache", default="fresh", metavar="fresh|reuse|DIR")
     p.add_argument("--variant", default="",
                    help="free label shown next to kwarm's mode in the table (e.g. 'learn', 'replay')")
@@ -998,7 +1009,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model_path = resolve_model(args.model)
     cfg = json.loads((model_path / "config.json").read_text())
-    scenario = build_scenario(args.scenario)
+    try:
+        scenario = build_scenario(args.scenario, args.repeats)
+    except ValueError as exc:
+        raise SystemExit(f"engine_bench: {exc}") from None
     bad = [i for i in args.profile + args.cuda_profile + args.alloc_stacks if i >= len(scenario)]
     if bad:
         raise SystemExit(f"engine_bench: --profile/--cuda-profile/--alloc-stacks {bad}: scenario {args.scenario!r} has "
@@ -1091,6 +1105,7 @@ def main(argv=None) -> int:
         result["first_steady_ratio"] = table.first_steady_ratio(result)
         result["excess_pairs"] = table.excess_pairs(result)
         result["excess_s"] = table.excess_s(result)
+        result["excess_noise_s"] = table.excess_noise_s(result)
         result["first_steady_counters"] = table.first_steady_counters(result)
         result["control_ratio"] = table.control_ratio(result)
         result["wall_s"] = round(time.time() - started, 1)
@@ -1198,7 +1213,7 @@ def main(argv=None) -> int:
     write()
     print(f"engine_bench: wrote {out}")
     print(f"engine_bench: request JIT {result['total_jit']}, "
-          f"excess {table.fmt_ms(result['excess_s'])} ms, "
+          f"excess {table.excess_cell(result)} ms, "
           f"first/steady {table.first_steady_cell(result)}, "
           f"control/steady {table.fmt_ratio(result['control_ratio'])}"
           + "".join(f", {name} {ratio:.3f}" for name, ratio in result["first_steady_counters"].items()))

@@ -47,7 +47,8 @@
 #                         that learned); 0: families only (KWARM_WARMUPS=-replay, no manifest)
 #   REPLAY_BENCH=1        also time the manifest's replay, 1 thread vs all cores (0: no; a
 #                         pattern such as "*qwen*": those manifests only)
-#   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat) |
+#   SCENARIO=default      default | smoke | pairs (every shape followed by its repeat;
+#                         BENCH_ARGS="--repeats 3": by 3, for the excess's noise) |
 #                         mla-splits (decodes crossing each TRITON_MLA NUM_KV_SPLITS step, with repeats)
 #   BUDGET=570            seconds for the whole script; each run's timeout is cut to fit
 #   COLD_TIMEOUT=360      cap of one cold run (s)

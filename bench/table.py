@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -77,12 +79,28 @@ def with_repeats(run: dict, first: int) -> list[tuple[dict, dict]]:
     return [(a, b) for a, b in request_pairs(run) if a["i"] == first]
 
 
+def run_by_index(run: dict) -> dict[int, dict]:
+    return {r["i"]: r for r in run["requests"]}
+
+
+def steady_s(run: dict, first: int) -> float | None:
+    """Request `first`'s steady time: the median of its repeats' times (engine_bench's
+    ``--repeats``; one repeat's time with one), None without a repeat."""
+    times = [b["s"] for _, b in with_repeats(run, first)]
+    return statistics.median(times) if times else None
+
+
+def spread_s(run: dict, first: int) -> float | None:
+    """The sample standard deviation of request `first`'s repeats: how much one run of that
+    shape varies with nothing left to meet; None with fewer than two repeats."""
+    times = [b["s"] for _, b in with_repeats(run, first)]
+    return statistics.stdev(times) if len(times) >= 2 else None
+
+
 def pair_ratio(run: dict, first: int) -> float | None:
-    """Time of request `first` / time of its repeat (None without a repeat or a zero time)."""
-    for request, repeat in with_repeats(run, first):
-        if repeat["s"] > 0:
-            return request["s"] / repeat["s"]
-    return None
+    """Time of request `first` / its steady time (None without a repeat or a zero time)."""
+    steady = steady_s(run, first)
+    return run_by_index(run)[first]["s"] / steady if steady else None
 
 
 def first_steady_ratio(run: dict) -> float | None:
@@ -106,12 +124,11 @@ def first_steady_cell(run: dict) -> str:
 
 def control_ratio(run: dict) -> float | None:
     """The control request (request 0's shape, run last: ``control_of`` 0) / request 0's
-    repeat; None without one. Near first/steady, request 0's excess is not a first-time cost."""
+    steady time; None without one. Near first/steady, request 0's excess is not a first-time cost."""
+    steady = steady_s(run, 0)
     for request in run["requests"]:
-        if request.get("control_of") == 0:
-            for _, repeat in with_repeats(run, 0):
-                if repeat["s"] > 0:
-                    return request["s"] / repeat["s"]
+        if request.get("control_of") == 0 and steady:
+            return request["s"] / steady
     return None
 
 
@@ -125,17 +142,43 @@ def first_steady_counters(run: dict) -> dict[str, float]:
 
 
 def excess_pairs(run: dict) -> list[dict]:
-    """Each (first, repeat) pair with what the first request cost beyond its repeat:
-    ``[{first, repeat, first_s, repeat_s, excess_s}]`` (excess may be negative: noise)."""
-    return [{"first": a["i"], "repeat": b["i"], "first_s": a["s"], "repeat_s": b["s"],
-             "excess_s": round(a["s"] - b["s"], 4)} for a, b in request_pairs(run)]
+    """Each first request that has repeats, with what it cost beyond its steady time:
+    ``[{first, repeat, first_s, repeat_s, excess_s}]`` (``repeat``: its first repeat;
+    ``repeat_s``: :func:`steady_s`; excess may be negative: noise). With several repeats also
+    ``repeats`` (how many) and ``spread_s`` (:func:`spread_s`)."""
+    out = []
+    firsts = {a["i"]: (a, b) for a, b in reversed(request_pairs(run))}  # each with its first repeat
+    for first, (a, b) in sorted(firsts.items()):
+        steady = steady_s(run, first)
+        if steady is None:
+            continue
+        row = {"first": first, "repeat": b["i"], "first_s": a["s"], "repeat_s": round(steady, 4),
+               "excess_s": round(a["s"] - steady, 4)}
+        n = len(with_repeats(run, first))
+        if n > 1:
+            row.update(repeats=n, spread_s=round(spread_s(run, first), 4))
+        out.append(row)
+    return out
 
 
 def excess_s(run: dict) -> float | None:
-    """Sum over all (first, repeat) pairs of first.s - repeat.s: the seconds the requests
-    paid for first-time work (JIT, cuBLAS loads, allocator growth); None without a pair."""
+    """Sum over the first requests that have repeats of first.s - steady s: the seconds the
+    requests paid for first-time work (JIT, cuBLAS loads, allocator growth); None without one."""
     found = excess_pairs(run)
     return round(sum(p["excess_s"] for p in found), 4) if found else None
+
+
+def excess_noise_s(run: dict) -> float | None:
+    """One standard deviation of :func:`excess_s` were there no first-time cost at all: each
+    first request is one run of its shape, as noisy as one repeat, and its steady time the
+    median of k repeats, so each adds spread² (1 + 1/k) (the mean's variance; the median's is
+    larger, so this slightly understates). None unless every first request has two repeats or
+    more (``engine_bench --repeats``). An excess within twice this is indistinguishable from
+    noise on this host."""
+    found = excess_pairs(run)
+    if not found or any("spread_s" not in p for p in found):
+        return None
+    return round(math.sqrt(sum(p["spread_s"] ** 2 * (1 + 1 / p["repeats"]) for p in found)), 4)
 
 
 def total_jit(run: dict) -> int:
@@ -253,6 +296,12 @@ def fmt_ms(seconds) -> str:
     return f"{ms:.0f}" if abs(ms) >= 100 else f"{ms:.1f}"
 
 
+def excess_cell(run: dict) -> str:
+    """The excess in ms, with ``± noise`` (:func:`excess_noise_s`) where the run measured it."""
+    noise = excess_noise_s(run)
+    return fmt_ms(excess_s(run)) + (f" ± {fmt_ms(noise)}" if noise is not None else "")
+
+
 def request_cell(run: dict) -> str:
     """`3.13 (8), 0.038, 1.15 (3)`: seconds per request, JIT count when there was any."""
     cell = ", ".join(fmt_s(r["s"]) + (f" ({r['jit']})" if r["jit"] else "") for r in run["requests"])
@@ -294,7 +343,7 @@ def render_table(runs: list[dict]) -> str:
         warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
         lines.append(f"| {run['versions']['vllm']} | {kwarm_mode(run)} | {run['cache']['label']} "
                      f"| {init_cell(run)} | {warm} | {request_cell(run)} | {total_jit(run)} "
-                     f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} |")
+                     f"| {excess_cell(run)} | {first_steady_cell(run)} |")
     return "\n".join(lines)
 
 
@@ -325,9 +374,11 @@ def render_start_cost(runs: list[dict]) -> str:
     for run in runs:
         models.setdefault(run["model"], []).append(run)
     out = ["## Start cost and first-request excess", "",
-           "excess: the sum over (first, repeat) pairs of first s - repeat s; first/steady \"(profiled)\": "
+           "excess: the sum over first requests of first s - steady s (the median of its repeats; "
+           "\"± x\": one standard deviation of that sum from the repeats' spread, where each first had 2 or more); "
+           "first/steady \"(profiled)\": "
            "request 0 or its repeat ran under a profiler or the allocator's recording, whose overhead it includes; "
-           "control: request 0's shape once more, last, over its repeat (nothing left to meet: the noise floor).", ""]
+           "control: request 0's shape once more, last, over its steady time (nothing left to meet: the noise floor).", ""]
     for model, group in models.items():
         several = len({run["scenario"] for run in group}) > 1
         out += [f"### Start cost: {model}", "",
@@ -339,7 +390,7 @@ def render_start_cost(runs: list[dict]) -> str:
                 name += " (cut short)"
             warm = fmt_s(run.get("kwarm_warmup_s")) if run["kwarm"] == "on" else "—"
             out.append(f"| {name} | {init_cell(run)} | {warm} | {top_families(run)} "
-                       f"| {fmt_ms(excess_s(run))} | {first_steady_cell(run)} | {fmt_ratio(control_ratio(run))} "
+                       f"| {excess_cell(run)} | {first_steady_cell(run)} | {fmt_ratio(control_ratio(run))} "
                        f"| {jit_cell(run)} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

@@ -218,6 +218,31 @@ def test_excess_comes_from_the_requests(run):
     assert [table.fmt_ms(x) for x in (4.2029, 0.0123, -0.0004, None)] == ["4203", "12.3", "-0.4", "—"]
 
 
+def test_several_repeats_give_a_median_steady_time_and_the_excess_a_noise_estimate(run):
+    """Three repeats of request 0 (times 1, 3, 2) and of request 2: steady is their median,
+    the spread their sample deviation, and the excess's noise sqrt(sum spread^2 (1 + 1/k))."""
+    requests = [dict(run["requests"][0], i=0, s=5.0, repeat_of=None)]
+    requests += [dict(run["requests"][1], i=1 + k, s=s, repeat_of=0) for k, s in enumerate((1.0, 3.0, 2.0))]
+    requests += [dict(run["requests"][2], i=4, s=0.5, repeat_of=None)]
+    requests += [dict(run["requests"][3], i=5 + k, s=s, repeat_of=4) for k, s in enumerate((0.4, 0.6, 0.5))]
+    requests += [dict(run["requests"][4], i=8, s=2.6, repeat_of=None, control_of=0)]
+    run["requests"] = requests
+    assert table.steady_s(run, 0) == 2.0 and table.spread_s(run, 0) == pytest.approx(1.0)
+    assert table.pair_ratio(run, 0) == table.first_steady_ratio(run) == 2.5
+    assert table.control_ratio(run) == pytest.approx(1.3)
+    assert table.excess_pairs(run) == [
+        {"first": 0, "repeat": 1, "first_s": 5.0, "repeat_s": 2.0, "excess_s": 3.0, "repeats": 3, "spread_s": 1.0},
+        {"first": 4, "repeat": 5, "first_s": 0.5, "repeat_s": 0.5, "excess_s": 0.0, "repeats": 3, "spread_s": 0.1}]
+    assert table.excess_s(run) == 3.0
+    noise = (4 / 3 * (1.0 ** 2 + 0.1 ** 2)) ** 0.5
+    assert table.excess_noise_s(run) == pytest.approx(noise, abs=1e-4)
+    assert table.excess_cell(run) == f"3000 ± {noise * 1e3:.0f}"
+    assert f"| {table.excess_cell(run)} | 2.50 | 1.30 |" in table.render_start_cost([run])
+    run["requests"] = requests[:6] + requests[8:]  # request 4 with one repeat: no noise estimate
+    assert table.excess_noise_s(run) is None and table.excess_cell(run) == "3100"
+    assert "repeats" not in table.excess_pairs(run)[1]
+
+
 REPORT_WITH_PHASES = {"total_s": 3.0, "families": [
     {"name": "eager_gemm", "status": "ran", "seconds": 1.2, "steps": []},
     {"name": "runner", "status": "ran", "seconds": 0.05, "steps": []},
@@ -554,6 +579,20 @@ def test_pairs_scenario():
         assert all(10 <= t < 4096 for p in ps for t in p["prompt_token_ids"])
         assert r.length + r.max_tokens <= 4096  # the default --max-model-len
     assert engine_bench.parse_args(["tiny-qwen3-next", "--scenario", "pairs"]).scenario == "pairs"
+
+
+def test_pairs_scenario_with_repeats():
+    scenario = engine_bench.build_scenario("pairs", repeats=3)
+    assert len(scenario) == 8 * 4 + 1
+    assert [r.repeat_of for r in scenario[:8]] == [None, 0, 0, 0, None, 4, 4, 4]
+    assert [r.label for r in scenario[:4]] == ["prefill 1x200"] + [f"prefill 1x200 (repeat {k})" for k in (1, 2, 3)]
+    assert len({r.seed for r in scenario}) == len(scenario)  # each request its own token ids
+    assert scenario[-1].control_of == 0 and scenario[-1].repeat_of is None
+    assert engine_bench.build_scenario("pairs", repeats=1) == engine_bench.build_scenario("pairs")
+    for name, repeats, message in (("default", 2, "--repeats 2 needs --scenario pairs"),
+                                   ("pairs", 0, "--repeats is at least 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            engine_bench.build_scenario(name, repeats)
 
 
 def test_prepare_env_fresh(tmp_path):
@@ -1066,6 +1105,22 @@ def test_main_pairs_scenario_with_a_fake_engine(tmp_path):
     assert [(p["first"], p["repeat"]) for p in res["excess_pairs"]] == [(2 * k, 2 * k + 1) for k in range(8)]
     assert res["excess_s"] == table.excess_s(res)
     assert "excess " in proc.stdout and "## Start cost and first-request excess" in proc.stdout
+
+
+def test_main_pairs_scenario_with_repeats_and_a_bad_repeats(tmp_path):
+    out = tmp_path / "pairs3.json"
+    cmd = [sys.executable, str(BENCH / "engine_bench.py"), "tiny-qwen3-next", "--kwarm", "off",
+           "--scenario", "pairs", "--repeats", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, env=fake_engine_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert len(res["requests"]) == 33 and [r["jit"] for r in res["requests"]] == [1, 0, 0, 0] * 8 + [0]
+    assert [p["repeats"] for p in res["excess_pairs"]] == [3] * 8
+    assert res["excess_noise_s"] == table.excess_noise_s(res) and res["excess_noise_s"] is not None
+    assert f"excess {table.excess_cell(res)} ms," in proc.stdout and " ± " in table.excess_cell(res)
+    proc = subprocess.run(cmd[:5] + ["--repeats", "2", "--out", str(out)], env=fake_engine_env(tmp_path / "again"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == "engine_bench: --repeats 2 needs --scenario pairs"
 
 
 NO_CUDA_LINE = "engine_bench: needs a CUDA GPU (torch.cuda.is_available() is False)"
