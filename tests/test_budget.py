@@ -90,6 +90,15 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
         budget.begin(("percent", 8.0))
         budget.credit(30.0)
         assert 13.5 < budget.left() <= 14.0
+        # past the limit (compiles that took longer than it), optional work keeps the floor
+        monkeypatch.setattr(budget, "process_age_s", lambda: 10.0)
+        budget.begin(("percent", 8.0))
+        assert budget.left() <= budget.FLOOR_S
+        clock.sleep(0.3)  # the limit (1.5 s from begin) is now 1.2 s away
+        budget._deadline -= 2.0  # a compiling family's 2 s, stood in for: the budget is spent
+        assert budget.left() < 0
+        budget.credit(2.3)
+        assert budget.FLOOR_S - 0.1 < budget.left() <= budget.FLOOR_S, "the floor from now, past the limit"
         budget.begin(("seconds", 2.0))
         budget.credit(30.0)
         assert budget.left() > 31, "an explicit number of seconds: every credit"
