@@ -68,19 +68,20 @@ def pairs(run: dict) -> list[tuple[int, int]]:
     return [(r["repeat_of"], r["i"]) for r in run["requests"] if r.get("repeat_of") is not None]
 
 
+def run_by_index(run: dict) -> dict[int, dict]:
+    """Each recorded request by its index ``i``."""
+    return {r["i"]: r for r in run["requests"]}
+
+
 def request_pairs(run: dict) -> list[tuple[dict, dict]]:
     """(first request, its repeat) for every pair whose first request was recorded."""
-    by_index = {r["i"]: r for r in run["requests"]}
+    by_index = run_by_index(run)
     return [(by_index[f], by_index[rep]) for f, rep in pairs(run) if f in by_index]
 
 
 def with_repeats(run: dict, first: int) -> list[tuple[dict, dict]]:
     """(request `first`, one of its repeats) for each repeat of it."""
     return [(a, b) for a, b in request_pairs(run) if a["i"] == first]
-
-
-def run_by_index(run: dict) -> dict[int, dict]:
-    return {r["i"]: r for r in run["requests"]}
 
 
 def steady_s(run: dict, first: int) -> float | None:
