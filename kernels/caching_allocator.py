@@ -270,8 +270,6 @@ def _largest_step(view, details: dict) -> Step:
     """The step that leaves the large pool holding what the largest step allocates: one
     ``_dummy_run`` at the most tokens a step schedules (:func:`largest_step`)."""
     name = "largest eager step"
-    if not callable(getattr(view.runner, "_dummy_run", None)):
-        return Step(name, LARGEST_STEP_KERNEL, skip="runner has no _dummy_run")
     try:
         run = dummy_runner(view.runner)
     except Missing as exc:

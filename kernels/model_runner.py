@@ -3,7 +3,7 @@ step runs without a CUDA graph, the runner's models, its own eager dummy run, an
 synchronization that surfaces a launch error inside the step that caused it."""
 from __future__ import annotations
 
-from kwarm_ext.vllm_compat import bind, params, resolve
+from kwarm_ext.vllm_compat import Missing, bind, params, resolve
 
 
 def eager_range(view) -> tuple:
@@ -50,7 +50,10 @@ def dummy_runner(runner, **extra):
     ``CudaGraphManager.dispatch`` picks one from the batch, and it is NONE at the exact token
     count until ``capture_model`` has run, which is after the kernel warmup kwarm wraps (and
     above the largest capture size after it). ``skip_eplb=True`` where the signature has it.
+    A runner without ``_dummy_run`` raises :class:`Missing`.
     """
+    if not callable(getattr(runner, "_dummy_run", None)):
+        raise Missing("runner has no _dummy_run")
     names = params(runner._dummy_run)
     kwargs = dict(extra)
     if "cudagraph_runtime_mode" in names:
