@@ -170,21 +170,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 lscpu 2>/dev/null | grep -E "^(CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|Model name):" | tee -a "$OUT/gpu.txt"
 
 # ------------------------------------------------------------------ install kwarm
-install_kwarm() {
-  local log=$OUT/install.log pipargs=(--no-deps --no-index --no-build-isolation --force-reinstall)
-  if "$PY" -m pip install "${pipargs[@]}" . >"$log" 2>&1; then
-    echo "kwarm: installed into site-packages"; return 0
-  fi
-  if "$PY" -m pip install "${pipargs[@]}" --break-system-packages . >>"$log" 2>&1; then
-    echo "kwarm: installed into site-packages (--break-system-packages)"; return 0
-  fi
-  rm -rf "$WORK/kwarm-site"
-  if "$PY" -m pip install "${pipargs[@]}" --target "$WORK/kwarm-site" . >>"$log" 2>&1; then
-    export PYTHONPATH="$WORK/kwarm-site${PYTHONPATH:+:$PYTHONPATH}"
-    echo "kwarm: installed with --target $WORK/kwarm-site (no .pth door; plugin + bench activate)"; return 0
-  fi
-  echo "kwarm: install FAILED"; tail -20 "$log"; return 1
-}
+# shellcheck source=bench/install_kwarm.sh
+source bench/install_kwarm.sh
 if [ "$INSTALL" = 1 ]; then install_kwarm || exit 1; fi
 # From /tmp, so that the installed copy is imported, not this tree's.
 (cd /tmp && "$PY" -c "

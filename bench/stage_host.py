@@ -55,6 +55,14 @@ try:
     out["vllm"] = vllm.__version__
 except Exception as exc:
     out["vllm_error"] = f"{type(exc).__name__}: {exc}"[:500]
+try:
+    import flashinfer
+    out["flashinfer"] = flashinfer.__version__
+except Exception as exc:
+    out["flashinfer_error"] = f"{type(exc).__name__}: {exc}"[:300]
+import os, shutil
+out["jit_toolchain"] = {"CUDA_HOME": os.environ.get("CUDA_HOME"), "nvcc": shutil.which("nvcc"),
+                        "ninja": shutil.which("ninja")}
 # the CUDA libraries torch asks for, against what the host has outside the staged folder
 libs = {}
 try:
@@ -99,9 +107,7 @@ def main(argv: list[str]) -> int:
     _let_vllm_import_without_flash_attention(dest / "site")
     env = dest / "env.sh"
     path = ":".join([str(dest / "site"), *pth_paths(dest / "site")])
-    env.write_text(f'export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
-                   "# flashinfer is not staged: keep the sampler on its torch path\n"
-                   "export VLLM_USE_FLASHINFER_SAMPLER=0\n")
+    env.write_text(env_script(dest / "site", path))
     script = dest / "check.py"  # a file, not stdin: triton.jit reads its kernel's source from one
     script.write_text(CHECK)
     check = subprocess.run(["bash", "-c", f'source "{env}" && "{sys.executable}" "{script}" "{dest}/site"'],
@@ -109,6 +115,17 @@ def main(argv: list[str]) -> int:
     print(check.stdout.strip() or check.stderr[-3000:])
     print(f"ready: source {env}")
     return 0
+
+
+def env_script(site: Path, path: str) -> str:
+    """env.sh: the staged packages first on ``PYTHONPATH``. Every backend stays at vLLM's default
+    where FlashInfer is staged (as ``pip install vllm`` installs it); a release staged without it
+    (the older lists) keeps the sampler on its torch path, as vLLM would need to be told there."""
+    text = f'export PYTHONPATH="{path}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+    if not (site / "flashinfer").is_dir():
+        text += ("# flashinfer is not staged: keep the sampler on its torch path\n"
+                 "export VLLM_USE_FLASHINFER_SAMPLER=0\n")
+    return text
 
 
 def pth_paths(site: Path) -> list[str]:

@@ -1,0 +1,842 @@
+#!/usr/bin/env python3
+"""The serving benchmark: ``vllm serve`` as operators run it, plain and through ``kwarm run``.
+
+Starts two OpenAI-compatible servers side by side on one GPU, ``vllm serve`` and ``kwarm run --
+vllm serve``, each with its own empty caches (Triton, vLLM, Inductor, FlashInfer's JIT workspace,
+CuTe DSL, and a HOME of its own for everything else), on a random-weight model from
+``bench/models/`` with a tokenizer built for it (``serve_tokenizer.py``), every backend left at
+vLLM's default. It records launch to ready, then drives both through the OpenAI API (the
+``openai`` client), one request at a time, every request kind's first occurrence followed by its
+repeat with other content (``REQUEST_KINDS``), and counts, per request, every kind of lazy work
+the servers did meanwhile, by name:
+
+- from the probe (``serve_probe/sitecustomize.py``, in every server process): Triton compiles
+  (and loads from Triton's disk cache), FlashInfer JIT modules built or loaded, CuTe DSL compiles,
+  torch.compile runs, xgrammar's tokenizer info and grammar compiles, the chat template's compile;
+- from the cache folders: new DeepGEMM kernels, TileLang, tvm-ffi builds, Inductor artifacts;
+- from the server's log: vLLM's JIT monitor lines and other compile or build lines.
+
+Then (``--restarts 1``, default) it stops both and starts them again on the same caches (a warm
+restart: kwarm replays what it learned, ``kwarm run --learn``) and measures again. Backends come
+from vLLM's own log lines. Needs a GPU and vLLM; the request set, counting and table need neither.
+
+    python3 bench/serve_bench.py bench/models/tiny-qwen3-next --out bench/results/serve
+    python3 bench/serve_bench.py --table bench/results/serve/*.serve.json   # markdown tables
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROBE_DIR = HERE / "serve_probe"
+SCHEMA = "kwarm-serve-bench/1"
+SERVERS = ("plain", "kwarm")
+LONG_PROMPT_TOKENS = 8600
+BURST = 16
+# variables that force a backend: the benchmark measures vLLM's defaults, so the servers never get them
+FORCING_ENV = ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND", "VLLM_USE_DEEP_GEMM",
+               "VLLM_MOE_USE_DEEP_GEMM", "FLASHINFER_DISABLE_JIT")
+
+
+# ------------------------------------------------------------------------------- request set
+@dataclass(frozen=True)
+class Kind:
+    """One request kind: what the OpenAI client sends (``api``: chat, completion, stream, burst)."""
+
+    name: str
+    api: str
+    params: dict = field(default_factory=dict)
+    extra_body: dict = field(default_factory=dict)
+    max_tokens: int = 16
+    words: int = 60
+    note: str = ""
+
+
+SCHEMA_A = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"]}
+SCHEMA_B = {"type": "object", "properties": {
+    "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    "score": {"type": "number"}, "ok": {"type": "boolean"}}, "required": ["name", "score", "ok"]}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city"]}}}]
+SAMPLED = {"temperature": 0.8, "top_p": 0.9}
+FIXED_LENGTH = {"ignore_eos": True}
+
+REQUEST_KINDS: tuple[Kind, ...] = (
+    Kind("completion", "completion", {"temperature": 0.0}, FIXED_LENGTH, note="plain completions, text prompt, greedy"),
+    Kind("chat-greedy", "chat", {"temperature": 0.0}, FIXED_LENGTH, note="chat template, greedy"),
+    Kind("chat-top-p-top-k", "chat", SAMPLED, {"top_k": 40, **FIXED_LENGTH}, note="temperature, top_p, top_k"),
+    Kind("chat-min-p", "chat", {"temperature": 0.7}, {"min_p": 0.1, **FIXED_LENGTH}, note="temperature, min_p"),
+    Kind("chat-seed", "chat", {**SAMPLED, "seed": 1234}, {"top_k": 40, **FIXED_LENGTH}, note="seeded sampling"),
+    Kind("stream", "stream", SAMPLED, FIXED_LENGTH, max_tokens=32, note="streaming: TTFT, inter-token latency"),
+    Kind("n2", "chat", {**SAMPLED, "n": 2}, FIXED_LENGTH, note="n=2"),
+    Kind("logprobs", "chat", {"temperature": 0.0, "logprobs": True, "top_logprobs": 5}, FIXED_LENGTH),
+    Kind("prompt-logprobs", "chat", {"temperature": 0.0}, {"prompt_logprobs": 3, **FIXED_LENGTH}),
+    Kind("penalties", "chat", {**SAMPLED, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+         {"repetition_penalty": 1.1, **FIXED_LENGTH}, note="presence, frequency, repetition"),
+    Kind("logit-bias", "chat", {"temperature": 0.0, "logit_bias": {"100": 5, "200": -5}}, FIXED_LENGTH),
+    Kind("stop-strings", "chat", {"temperature": 0.0, "stop": ["<<never>>", "\n\n\n\n"]}, FIXED_LENGTH),
+    Kind("json-schema", "chat", {"temperature": 0.0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA_A}}}, max_tokens=32,
+         note="structured output (xgrammar), first schema"),
+    Kind("json-schema-new", "chat", {"temperature": 0.0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "card", "schema": SCHEMA_B}}}, max_tokens=32,
+         note="a second schema never seen before"),
+    Kind("tool-call", "chat", {"temperature": 0.0, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, max_tokens=32, note="named tool_choice"),
+    Kind("long-prompt", "chat", {"temperature": 0.0}, FIXED_LENGTH, words=-1,
+         note=f"{LONG_PROMPT_TOKENS}+ prompt tokens (chunked prefill)"),
+    Kind("burst", "burst", SAMPLED, FIXED_LENGTH, note=f"{BURST} concurrent streaming requests: TTFT p50/p99"),
+)
+KIND_BY_NAME = {k.name: k for k in REQUEST_KINDS}
+
+
+def content_seed(phase: str, kind: str, occurrence: str) -> int:
+    """The same content for both servers; other content for a repeat and for another phase."""
+    return sum((i + 1) * ord(c) for i, c in enumerate(f"{phase}/{kind}/{occurrence}")) % 1_000_003
+
+
+def prompt_text(seed: int, n_words: int) -> str:
+    from serve_tokenizer import words
+
+    return " ".join(words(n_words, seed))
+
+
+def build_request(kind: Kind, seed: int, model: str, long_words: int = 6000) -> dict:
+    """Keyword arguments for the openai client's ``chat.completions.create`` (or ``completions``)."""
+    n_words = long_words if kind.words < 0 else kind.words
+    text = prompt_text(seed, n_words)
+    body = {"model": model, "max_tokens": kind.max_tokens, **kind.params}
+    if kind.extra_body:
+        body["extra_body"] = dict(kind.extra_body)
+    if kind.api == "completion":
+        body["prompt"] = text
+        return body
+    # a per-request nonce first: a repeat never shares a prefix-cache block with its first occurrence
+    body["messages"] = [{"role": "system", "content": f"Session {seed}: {prompt_text(seed + 7, 4)}"},
+                        {"role": "user", "content": text}]
+    if kind.api in ("stream", "burst"):
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def request_plan(kinds=REQUEST_KINDS) -> list[tuple[Kind, str]]:
+    """Every kind's first occurrence, then its repeat (other content), in order."""
+    return [(kind, occurrence) for kind in kinds for occurrence in ("first", "repeat")]
+
+
+def long_prompt_words(tokenizer_json: Path, target: int = LONG_PROMPT_TOKENS) -> int:
+    """Words of ``prompt_text`` that make at least `target` tokens with this tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    sample = 1000
+    per_word = len(tok.encode(prompt_text(1, sample)).ids) / sample
+    n = int(target / per_word * 1.05) + 50
+    for _ in range(5):
+        if len(tok.encode(prompt_text(content_seed("x", "long-prompt", "first"), n)).ids) >= target:
+            return n
+        n = int(n * 1.1)
+    return n
+
+
+# ---------------------------------------------------------------------------------- counting
+def load_events(path: Path) -> list[dict]:
+    """The probe's events (a torn or foreign line is skipped)."""
+    events = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and isinstance(event.get("t"), (int, float)):
+                    events.append(event)
+    except OSError:
+        pass
+    return events
+
+
+def events_between(events: list[dict], t0: float, t1: float) -> list[dict]:
+    return [e for e in events if t0 <= e["t"] <= t1]
+
+
+FRONTEND_MIN_S = 0.001  # a cached grammar or template returns in microseconds: below this, no work
+
+
+def cache_surface(rel: str) -> tuple[str, str] | None:
+    """(surface, entry name) of a new file in a server's cache folder, or None for bookkeeping."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if name.endswith((".lock", ".tmp")) or "/tmp" in rel:
+        return None
+    if "deep_gemm" in parts or "deep_gemm" in rel:
+        entry = next((p for p in parts if p.startswith("kernel.")), parts[-2] if len(parts) > 1 else name)
+        return "deep_gemm", entry
+    if "triton_cache" in parts or parts[0] == "triton":
+        stem = name.split(".")[0]
+        return ("triton", stem) if name.endswith((".cubin", ".hsaco")) else None
+    if parts[0] == "flashinfer":
+        if "cached_ops" in parts:
+            i = parts.index("cached_ops")
+            return ("flashinfer", parts[i + 1]) if len(parts) > i + 2 and name.endswith(".so") else None
+        return ("flashinfer", "/".join(parts[-2:])) if "cubins" in parts else None
+    if parts[0] == "cutedsl":
+        return "cute_dsl", name
+    if "tvm-ffi" in rel or "tvm_ffi" in rel:
+        return ("tvm_ffi", name) if name.endswith(".so") else None
+    if "tilelang" in rel:
+        return "tilelang", parts[-2] if len(parts) > 1 else name
+    if parts[0] == "inductor" or "torch_compile_cache" in parts or "inductor" in rel:
+        return None  # torch.compile's artifacts: the probe's torch_compile events count these
+    return None
+
+
+def snapshot(root: Path) -> set[str]:
+    """Relative paths of the files under `root`."""
+    out = set()
+    root = Path(root)
+    for dirpath, _dirs, files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for f in files:
+            out.add(f if rel == "." else f"{rel}/{f}")
+    return out
+
+
+COUNTED = ("triton", "triton_disk", "flashinfer_built", "flashinfer_loaded", "cute_dsl", "torch_compile",
+           "deep_gemm", "tilelang", "tvm_ffi")
+FRONTEND = ("xgrammar", "chat_template")
+LOG_RE = re.compile(r"JIT|[Cc]ompil|[Aa]utotun|Building|[Bb]uilt|recompil|ninja|nvcc")
+
+
+def summarize_lazy(events: list[dict], new_files=(), log_lines=()) -> dict:
+    """What a request (or an interval) met for the first time, by surface and name.
+
+    ``counts`` per surface in ``COUNTED`` (compiles, builds and loads) and ``FRONTEND`` (front-end
+    first-use work over ``FRONTEND_MIN_S``), ``names`` (``{surface: {name: count}}``), ``frontend_ms``
+    and the matching log lines."""
+    names: dict[str, dict[str, int]] = {}
+    frontend_ms: dict[str, float] = {}
+
+    def add(surface, name):
+        names.setdefault(surface, {})
+        names[surface][name] = names[surface].get(name, 0) + 1
+
+    for e in events:
+        kind, name = e.get("kind"), str(e.get("name", "?"))
+        if kind == "triton":
+            add("triton_disk" if e.get("cache_hit") else "triton", name)
+        elif kind == "flashinfer":
+            add("flashinfer_built" if e.get("built") else "flashinfer_loaded", name)
+        elif kind in ("cute_dsl", "torch_compile"):
+            add(kind, name)
+        elif kind in FRONTEND and (e.get("s") or 0) >= FRONTEND_MIN_S:
+            add(kind, name)
+            frontend_ms[name] = round(frontend_ms.get(name, 0) + 1000 * e["s"], 2)
+    for rel in new_files:
+        surface = cache_surface(rel)
+        if surface and surface[0] in ("deep_gemm", "tilelang", "tvm_ffi"):
+            if surface[1] not in names.get(surface[0], {}):
+                add(*surface)
+    counts = {s: sum(v.values()) for s, v in names.items()}
+    return {"n": sum(counts.get(s, 0) for s in COUNTED),
+            "frontend_n": sum(counts.get(s, 0) for s in FRONTEND),
+            "counts": counts, "names": names, "frontend_ms": frontend_ms,
+            "log": [line[:300] for line in log_lines if LOG_RE.search(line)][:20]}
+
+
+BACKEND_RES = [re.compile(p) for p in (
+    r"Using \S+ attention backend.*", r"Using \S+ backend\.$", r"Using .* GDN prefill kernel.*",
+    r"Using FlashInfer for top-p & top-k sampling.*", r"Using \S+ MLA prefill backend.*",
+    r"Using .*(?:MoE|[Ee]xperts|moe).*", r".*[Ff]lash[Ii]nfer.*(?:sampl|not available|fall).*",
+    r"Using V2 Model Runner.*", r"Using \S+ KV cache layout.*", r".*[Ss]tructured output.*backend.*")]
+
+
+def log_message(line: str) -> str:
+    """A vLLM log line without its prefix: ``(EngineCore pid=1) INFO 12-05 08:01:02 [f.py:3] msg``."""
+    match = re.search(r"\[[\w./-]+:\d+\] (.*)$", line)
+    return (match.group(1) if match else line).strip()
+
+
+def backends_from_log(lines) -> list[str]:
+    """vLLM's own lines naming the backends it chose, each once, in order."""
+    seen = []
+    for line in lines:
+        message = log_message(line)
+        if any(r.match(message) for r in BACKEND_RES) and message not in seen:
+            seen.append(message[:240])
+    return seen
+
+
+KWARM_DONE_RE = re.compile(r"kwarm: warmup done in ([\d.]+) s")
+
+
+# ----------------------------------------------------------------------------------- servers
+class Server:
+    """One ``vllm serve`` process group with its own caches, log and probe events."""
+
+    def __init__(self, name: str, root: Path, port: int, cmd: list[str], env: dict):
+        self.name, self.root, self.port, self.cmd, self.env = name, root, port, cmd, env
+        self.proc = None
+        self.log_path = root / "server.log"
+        self.events_path = Path(env["SERVE_PROBE_LOG"])
+        self.cache = root / "cache"
+        self.launched = self.ready_at = None
+        self.log_offset = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, phase: str) -> None:
+        self.log_path = self.root / f"server-{phase}.log"
+        log = open(self.log_path, "wb")
+        self.launched = time.time()
+        self.ready_at = None
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(self.root))
+        log.close()
+
+    def poll_ready(self) -> bool:
+        if self.ready_at is not None:
+            return True
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    self.ready_at = time.time()
+                    return True
+        except Exception:
+            pass
+        return False
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 30) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # children that outlived the leader (engine core, workers)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
+
+    def log_lines(self, start: int = 0) -> tuple[list[str], int]:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return [], start
+        return data.decode("utf-8", "replace").splitlines(), start + len(data)
+
+
+def server_env(base: dict, root: Path, name: str) -> dict:
+    """`base` without backend-forcing variables, with caches, HOME and the probe of its own."""
+    cache = root / "cache"
+    env = {k: v for k, v in base.items() if k not in FORCING_ENV and not k.startswith("KWARM_")}
+    for sub in ("home", "xdg", "triton", "vllm", "inductor", "flashinfer", "cutedsl", "tilelang"):
+        (cache / sub).mkdir(parents=True, exist_ok=True)
+    env.update({
+        "HOME": str(cache / "home"), "XDG_CACHE_HOME": str(cache / "xdg"),
+        "TRITON_CACHE_DIR": str(cache / "triton"), "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "FLASHINFER_WORKSPACE_BASE": str(cache / "flashinfer"),
+        "CUTE_DSL_CACHE_DIR": str(cache / "cutedsl"), "TILELANG_CACHE_DIR": str(cache / "tilelang"),
+        "SERVE_PROBE_LOG": str(root / "events.jsonl"), "PYTHONUNBUFFERED": "1",
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+        "PYTHONPATH": os.pathsep.join([str(PROBE_DIR)] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    })
+    if name == "kwarm":
+        env["KWARM_REPORT"] = str(root / "kwarm-report.json")
+        env["KWARM_MANIFEST"] = str(cache / "kwarm-manifest.json")
+    return env
+
+
+def kwarm_launcher() -> list[str]:
+    exe = shutil.which("kwarm")
+    if exe:
+        return [exe]
+    return [sys.executable, "-c", "import sys; from kwarm_ext.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+
+def serve_command(model_dir: Path, port: int, args, kwarm: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+           "--served-model-name", "bench", "--load-format", "dummy", "--port", str(port),
+           "--host", "127.0.0.1", "--max-model-len", str(args.max_model_len),
+           "--gpu-memory-utilization", str(args.gpu_util)]
+    if args.kv_bytes:
+        cmd += ["--kv-cache-memory-bytes", args.kv_bytes]
+    cmd += args.serve_arg
+    if kwarm:
+        return [*kwarm_launcher(), "run", *(["--learn"] if args.learn else []), "--", *cmd]
+    return cmd
+
+
+# ----------------------------------------------------------------------------------- driving
+def percentile(values, q: float):
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def stream_once(client, body: dict) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    gaps, tokens = [], 0
+    for chunk in client.chat.completions.create(**body):
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+        if getattr(chunk, "usage", None):
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"s": end - t0, "ttft_s": None if first is None else first - t0,
+            "itl_s": statistics.mean(gaps) if gaps else None, "completion_tokens": tokens}
+
+
+def send(client, kind: Kind, body: dict, seed: int = 0) -> dict:
+    """One request (or one burst) of `kind`: seconds, TTFT and ITL where streamed, tokens."""
+    if kind.api == "completion":
+        t0 = time.perf_counter()
+        r = client.completions.create(**body)
+        return {"s": time.perf_counter() - t0, "completion_tokens": r.usage.completion_tokens if r.usage else None}
+    if kind.api == "chat":
+        t0 = time.perf_counter()
+        r = client.chat.completions.create(**body)
+        out = {"s": time.perf_counter() - t0, "completion_tokens": r.usage.completion_tokens if r.usage else None}
+        if body.get("tools"):
+            calls = r.choices[0].message.tool_calls or []
+            out["tool_calls"] = len(calls)
+        if body.get("response_format"):
+            try:
+                json.loads(r.choices[0].message.content or "")
+                out["valid_json"] = True
+            except ValueError:
+                out["valid_json"] = False  # cut by max_tokens: still a structured request
+        return out
+    if kind.api == "stream":
+        return stream_once(client, body)
+    # burst: BURST streaming requests at once, each with its own content
+    results, errors = [None] * BURST, []
+
+    def one(i):
+        try:
+            b = dict(body, messages=[body["messages"][0], {"role": "user", "content": prompt_text(
+                seed * 31 + i + 1, kind.words)}])
+            results[i] = stream_once(client, b)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(BURST)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ttfts = [r["ttft_s"] for r in results if r and r["ttft_s"] is not None]
+    out = {"s": time.perf_counter() - t0, "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+           "ttft_s": percentile(ttfts, 0.99), "completed": len(ttfts)}
+    if errors:
+        out["error"] = errors[0]
+    return out
+
+
+def measure_phase(servers: list[Server], phase: str, model: str, long_words: int, deadline: float, log) -> dict:
+    """Every request of the plan on each ready server, one at a time, alternating servers per kind."""
+    from openai import OpenAI
+
+    clients = {s.name: OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=300, max_retries=0)
+               for s in servers}
+    records = {s.name: [] for s in servers}
+    snaps = {s.name: snapshot(s.cache) for s in servers}
+    offsets = {s.name: s.log_lines(0)[1] for s in servers}
+    marks = {s.name: time.time() for s in servers}
+    between = {s.name: [] for s in servers}
+    for kind, occurrence in request_plan():
+        seed = content_seed(phase, kind.name, occurrence)
+        body = build_request(kind, seed, "bench", long_words)
+        for s in servers:
+            if time.time() > deadline:
+                records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "cut: out of time"})
+                continue
+            if not s.alive():
+                records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "server exited"})
+                continue
+            t0 = time.time()
+            between[s.name].append((marks[s.name], t0))
+            try:
+                rec = send(clients[s.name], kind, body, seed)
+            except Exception as exc:  # noqa: BLE001  (a failed request is recorded, the run goes on)
+                rec = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            t1 = time.time()
+            time.sleep(0.05)  # let the servers' log lines of this request reach the file
+            lines, offsets[s.name] = s.log_lines(offsets[s.name])
+            after = snapshot(s.cache)
+            new = sorted(after - snaps[s.name])
+            snaps[s.name] = after
+            marks[s.name] = time.time()
+            rec.update({"kind": kind.name, "occurrence": occurrence, "t0": round(t0, 4), "t1": round(t1, 4),
+                        "lazy": summarize_lazy(events_between(load_events(s.events_path), t0, t1), new, lines)})
+            records[s.name].append(rec)
+            log(f"{phase} {s.name:5s} {kind.name:17s} {occurrence:6s} {fmt_ms(rec.get('s'))} ms"
+                f"{'  ttft ' + fmt_ms(rec['ttft_s']) + ' ms' if rec.get('ttft_s') is not None else ''}"
+                f"  lazy {rec['lazy']['n']}+{rec['lazy']['frontend_n']}"
+                f"{'  ' + rec['error'] if rec.get('error') else ''}")
+    out = {}
+    for s in servers:
+        events = load_events(s.events_path)
+        gaps = [e for t0, t1 in between[s.name] for e in events_between(events, t0 + 1e-4, t1 - 1e-4)]
+        out[s.name] = {"requests": records[s.name], "between_requests": summarize_lazy(gaps)}
+    return out
+
+
+def fmt_ms(seconds) -> str:
+    return "—" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+# -------------------------------------------------------------------------------------- main
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("vllm", "torch", "triton", "flashinfer-python", "xgrammar", "transformers", "kwarm-ext",
+                 "nvidia-cutlass-dsl", "openai"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def gpu_name() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:
+        return None
+
+
+def start_phase(servers: list[Server], phase: str, timeout: float, log) -> dict:
+    """Start every server at once; launch to ready of each, its backends and kwarm's warmup."""
+    for s in servers:
+        s.start(phase)
+    end = time.time() + timeout
+    while time.time() < end and any(s.ready_at is None and s.alive() for s in servers):
+        for s in servers:
+            if s.alive():
+                s.poll_ready()
+        time.sleep(0.1)
+    out = {}
+    for s in servers:
+        lines, _ = s.log_lines(0)
+        ready = s.ready_at is not None
+        info = {"ready": ready, "launch_to_ready_s": round(s.ready_at - s.launched, 2) if ready else None,
+                "exit_code": None if s.alive() else (s.proc.returncode if s.proc else None),
+                "backends": backends_from_log(lines),
+                "lazy_before_ready": summarize_lazy(events_between(load_events(s.events_path), s.launched,
+                                                                   s.ready_at or time.time()))}
+        if not ready:
+            info["not_ready_after_s"] = round(time.time() - s.launched, 1)
+            info["log_tail"] = [line[:300] for line in lines[-25:]]
+        if s.name == "kwarm":
+            done = [float(m.group(1)) for m in map(KWARM_DONE_RE.search, lines) if m]
+            info["kwarm_warmup_s"] = done
+            info["kwarm_lines"] = [log_message(line)[:400] for line in lines if "kwarm" in line][-12:]
+            info.update(kwarm_report(s.root / "kwarm-report.json"))
+        out[s.name] = info
+        log(f"{phase} {s.name}: {'ready in ' + str(info['launch_to_ready_s']) + ' s' if ready else 'NOT READY'}"
+            f"; backends: {' | '.join(info['backends'][:6])}")
+    return out
+
+
+def kwarm_report(path: Path) -> dict:
+    """``kwarm_report_summary`` (the families, their seconds and compiles) of a KWARM_REPORT file."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    try:
+        from table import summarize_report
+
+        return {"kwarm_report_summary": summarize_report(report)}
+    except Exception as exc:  # noqa: BLE001
+        return {"kwarm_report_summary": {"error": f"{type(exc).__name__}: {exc}"[:200]}}
+
+
+@contextlib.contextmanager
+def sync_lock(path: str | None, exclusive: bool):
+    """With ``--sync-lock``: benchmarks beside each other start their servers together (shared) but
+    measure requests one at a time and never while another one starts (exclusive)."""
+    if not path:
+        yield 0.0
+        return
+    waited = time.time()
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield time.time() - waited
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run(args) -> int:
+    started = time.time()
+    deadline = started + args.budget
+    model_src = Path(args.model).resolve()
+    name = model_src.name
+    work = Path(args.work).resolve() / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result_path = out_dir / f"{name}.serve.json"
+
+    def log(msg):
+        print(f"[serve_bench {time.time() - started:6.1f}s] {name}: {msg}", flush=True)
+
+    from serve_tokenizer import write_model_folder
+
+    model_dir = work / "model"
+    tokenizer = write_model_folder(model_src, model_dir, args.max_model_len)
+    long_words = long_prompt_words(model_dir / "tokenizer.json")
+    log(f"tokenizer {tokenizer}; long prompt {long_words} words")
+    base = dict(os.environ)
+    dropped = sorted(k for k in FORCING_ENV if k in base)
+    servers = []
+    for i, sname in enumerate(args.servers):
+        root = work / sname
+        root.mkdir()
+        env = server_env(base, root, sname)
+        servers.append(Server(sname, root, args.port + i, serve_command(model_dir, args.port + i, args, sname == "kwarm"), env))
+    result = {"schema": SCHEMA, "model": name, "model_path": str(model_src), "versions": versions(), "gpu": gpu_name(),
+              "args": {k: v for k, v in vars(args).items() if k not in ("table",)}, "tokenizer": tokenizer,
+              "long_prompt_words": long_words, "dropped_env": dropped, "commands": {s.name: s.cmd for s in servers},
+              "request_kinds": [{"name": k.name, "api": k.api, "note": k.note} for k in REQUEST_KINDS],
+              "phases": [], "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started))}
+
+    def save():
+        result["wall_s"] = round(time.time() - started, 1)
+        result_path.write_text(json.dumps(result, indent=1, default=str))
+
+    phases = ["cold"] + ["warm"] * args.restarts
+    try:
+        for i, phase in enumerate(phases):
+            label = phase if i < 2 else f"warm{i}"
+            t_start = time.time()
+            if i > 0:
+                left = deadline - time.time()
+                last = result["phases"][-1]
+                need = 0.8 * last.get("start_s", 0) + last.get("requests_s", 0) + 30
+                if left < need:
+                    log(f"no {label} restart: {left:.0f} s left, about {need:.0f} s needed")
+                    result["skipped"] = f"{label}: {left:.0f} s left of the budget, about {need:.0f} s needed"
+                    break
+            with sync_lock(args.sync_lock, exclusive=False) as waited_start:
+                started_phase = start_phase(servers, label, min(args.start_timeout, deadline - time.time()), log)
+            phase_rec = {"phase": label, "servers": started_phase, "lock_wait_s": {"start": round(waited_start, 1)}}
+            result["phases"].append(phase_rec)
+            save()
+            ready = [s for s in servers if started_phase[s.name]["ready"]]
+            phase_rec["start_s"] = round(time.time() - t_start, 1)
+            t_requests = time.time()
+            if ready:
+                with sync_lock(args.sync_lock, exclusive=True) as waited:
+                    phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
+                    measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
+                for sname, rec in measured.items():
+                    started_phase[sname].update(rec)
+                for s in ready:  # kwarm's report is complete once warmup (after capture too) is done
+                    if s.name == "kwarm":
+                        started_phase[s.name].update(kwarm_report(s.root / "kwarm-report.json"))
+                        if (s.root / "kwarm-report.json").exists():
+                            shutil.copy(s.root / "kwarm-report.json", out_dir / f"{name}.kwarm-report.{label}.json")
+            phase_rec["requests_s"] = round(time.time() - t_requests, 1)
+            save()
+            for s in servers:
+                s.stop()
+                shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
+    finally:
+        for s in servers:
+            s.stop()
+            if s.events_path.exists():
+                shutil.copy(s.events_path, out_dir / f"{name}.{s.name}.events.jsonl")
+        save()
+    print(render([result]))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- table
+def lazy_text(lazy: dict | None, max_names: int = 4) -> str:
+    """``triton 3 (_fwd_kernel ×2, ...); flashinfer built: sampling`` or ``0``."""
+    if not lazy:
+        return "—"
+    parts = []
+    for surface in COUNTED + FRONTEND:
+        names = lazy.get("names", {}).get(surface)
+        if not names:
+            continue
+        label = surface.replace("_", " ")
+        listed = ", ".join(f"{n}{' ×' + str(c) if c > 1 else ''}" for n, c in list(names.items())[:max_names])
+        more = f", +{len(names) - max_names}" if len(names) > max_names else ""
+        if surface in FRONTEND:
+            ms = sum(lazy.get("frontend_ms", {}).get(n, 0) for n in names)
+            parts.append(f"{label} {ms:.0f} ms ({listed}{more})")
+        else:
+            parts.append(f"{label} {sum(names.values())} ({listed}{more})")
+    return "; ".join(parts) or "0"
+
+
+def pairs(requests: list[dict]) -> list[dict]:
+    """One row per kind: first and repeat records."""
+    rows = {}
+    for r in requests:
+        rows.setdefault(r["kind"], {})[r["occurrence"]] = r
+    return [{"kind": k, **v} for k, v in rows.items()]
+
+
+def headline_time(rec: dict | None):
+    """TTFT for streaming kinds (p99 for a burst), else the request's seconds."""
+    if not rec or rec.get("error"):
+        return None
+    return rec.get("ttft_s") if rec.get("ttft_s") is not None else rec.get("s")
+
+
+def ratio_text(first, repeat) -> str:
+    if first is None or repeat is None or repeat <= 0:
+        return "—"
+    return f"{first / repeat:.2f}"
+
+
+def render(results: list[dict]) -> str:
+    out = []
+    for res in results:
+        v = res.get("versions", {})
+        for phase in res.get("phases", []):
+            servers = phase["servers"]
+            out.append(f"### {res['model']}, {phase['phase']} start (vLLM {v.get('vllm')}, FlashInfer "
+                       f"{v.get('flashinfer-python') or 'not installed'}, {res.get('gpu') or 'GPU ?'})\n")
+            plain, kw = servers.get("plain", {}), servers.get("kwarm", {})
+            backends = plain.get("backends") or kw.get("backends") or []
+            if backends:
+                out.append("Backends vLLM chose (its log): " + "; ".join(f"`{b}`" for b in backends[:8]) + "\n")
+            lr = [plain.get("launch_to_ready_s"), kw.get("launch_to_ready_s")]
+            cost = f" ({100 * (lr[1] / lr[0] - 1):+.1f}%)" if all(lr) else ""
+            kws = kw.get("kwarm_warmup_s") or []
+            out.append("| | `vllm serve` | `kwarm run -- vllm serve` |\n|---|---|---|")
+            out.append(f"| launch to ready | {lr[0] if lr[0] else 'not ready'} s | "
+                       f"{lr[1] if lr[1] else 'not ready'} s{cost}"
+                       f"{' (kwarm warmup ' + '+'.join(f'{x:.1f}' for x in kws) + ' s)' if kws else ''} |")
+            fams = (kw.get("kwarm_report_summary") or {}).get("families") or []
+            if fams:
+                ran = sorted((f for f in fams if f.get("status") == "ran"), key=lambda f: -(f.get("seconds") or 0))
+                out.append("| kwarm families (s) | | " + ", ".join(
+                    f"{f['name']} {f.get('seconds') or 0:.2f}" for f in ran[:6]) + " |")
+            for key, label in (("lazy_before_ready", "lazy work before ready"), ("between_requests", "lazy work between requests")):
+                out.append(f"| {label} | {lazy_text(plain.get(key), 3)} | {lazy_text(kw.get(key), 3)} |")
+            out.append("")
+            out.append("| request | plain first ms | repeat ms | first/repeat | plain: lazy work in the first | "
+                       "kwarm first ms | repeat ms | first/repeat | kwarm: lazy work in the first |")
+            out.append("|---|---|---|---|---|---|---|---|---|")
+            p_rows = {r["kind"]: r for r in pairs(plain.get("requests", []))}
+            k_rows = {r["kind"]: r for r in pairs(kw.get("requests", []))}
+            for kind in [k["name"] for k in res.get("request_kinds", [])] or list(p_rows):
+                cells = [kind + (" (TTFT p99)" if kind == "burst" else " (TTFT)" if kind == "stream" else "")]
+                for rows in (p_rows, k_rows):
+                    row = rows.get(kind, {})
+                    first, repeat = headline_time(row.get("first")), headline_time(row.get("repeat"))
+                    lazy = (row.get("first") or {}).get("lazy")
+                    rep_lazy = (row.get("repeat") or {}).get("lazy") or {}
+                    err = (row.get("first") or {}).get("error") or (row.get("repeat") or {}).get("error")
+                    text = lazy_text(lazy) + (f"; repeat: {lazy_text(rep_lazy)}" if rep_lazy.get("n") else "")
+                    if err:
+                        text += f" — error: {err[:80]}"
+                    cells += [fmt_ms(first), fmt_ms(repeat), ratio_text(first, repeat), text]
+                out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="model folder with config.json (bench/models/...)")
+    ap.add_argument("--table", nargs="+", metavar="RESULT", help="print the markdown tables of result files and exit")
+    ap.add_argument("--out", default=str(HERE / "results" / "serve"), help="folder for results and server logs")
+    ap.add_argument("--work", default="/tmp/kwarm-serve", help="folder for caches, model copy, events (not kept)")
+    ap.add_argument("--servers", default="plain,kwarm", help="comma list of plain, kwarm (default both)")
+    ap.add_argument("--port", type=int, default=8100, help="first server's port; the next one gets +1")
+    ap.add_argument("--max-model-len", type=int, default=12288)
+    ap.add_argument("--gpu-util", type=float, default=0.2, help="--gpu-memory-utilization of each server")
+    ap.add_argument("--kv-bytes", default="4G", help="--kv-cache-memory-bytes of each server ('' for vLLM's sizing)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` argument (repeatable)")
+    ap.add_argument("--restarts", type=int, default=1, help="warm restarts on the same caches after the cold start")
+    ap.add_argument("--no-learn", dest="learn", action="store_false", help="kwarm run without --learn")
+    ap.add_argument("--start-timeout", type=float, default=420, help="seconds a start may take")
+    ap.add_argument("--sync-lock", metavar="FILE", help="a lock file shared with benchmarks beside this one")
+    ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")
+    args = ap.parse_args(argv)
+    if args.table:
+        results = []
+        for path in args.table:
+            try:
+                data = json.loads(Path(path).read_text())
+            except (OSError, ValueError) as exc:
+                print(f"serve_bench: {path}: {exc}", file=sys.stderr)
+                return 1
+            if data.get("schema") == SCHEMA:
+                results.append(data)
+        print(render(results))
+        return 0
+    if not args.model:
+        ap.error("give a model folder, or --table RESULT...")
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"serve_bench: {args.model}: no config.json there", file=sys.stderr)
+        return 1
+    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    unknown = [s for s in args.servers if s not in SERVERS]
+    if unknown or not args.servers:
+        ap.error(f"--servers: expected plain and/or kwarm, got {args.servers}")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())

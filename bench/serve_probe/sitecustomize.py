@@ -1,0 +1,259 @@
+"""The serving benchmark's probe: records every kind of lazy work in each process of ``vllm serve``.
+
+``bench/serve_bench.py`` puts this folder first on ``PYTHONPATH`` of both servers (plain and
+through ``kwarm run``, whose own bootstrap chains to this one), with ``SERVE_PROBE_LOG`` naming a
+JSON-lines file. Without that variable it does nothing but chain to the next ``sitecustomize``.
+With it, an import hook adds one recorder to each JIT surface when its module is first imported,
+so that nothing is imported early and nothing changes what vLLM runs:
+
+- ``triton``: Triton's ``knobs.compilation.listener`` (every ``compile()``, i.e. every in-memory
+  miss: ``cache_hit`` false is a real compile, true a load from Triton's disk cache);
+- ``flashinfer``: ``JitSpec.build_and_load`` (each JIT module: ``built`` when its library was not
+  on disk before the call, else loaded);
+- ``cutlass.cute``: ``cute.compile`` (CuTe DSL compiles, FlashInfer's Hopper GDN prefill among them);
+- ``xgrammar``: tokenizer info and each grammar compile of structured output;
+- ``transformers``: the chat template's Jinja compile;
+- ``torch._dynamo``: each torch.compile start/end (a recompile after ready lands on a request).
+
+Each event is one line, ``{"t": wall clock, "pid", "proc", "kind", "name", "s", ...}``, appended
+with a single ``write`` (O_APPEND) so that processes never interleave. The benchmark assigns an
+event to the request whose time window holds it. Caches that compile without a Python entry point
+here (DeepGEMM, TileLang, tvm-ffi) are counted by the benchmark from the cache folders instead.
+"""
+import os
+import sys
+
+
+def _chain_next_sitecustomize():
+    """Import the next ``sitecustomize`` on sys.path, hiding this file's folder (as kwarm's does)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    try:
+        import sitecustomize  # noqa: F401
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+    finally:
+        sys.path[:] = saved
+
+
+def _install(log_path):
+    import json
+    import time
+
+    def process_name():
+        try:
+            import multiprocessing
+
+            name = multiprocessing.current_process().name
+        except Exception:
+            name = "?"
+        return name if name != "MainProcess" else os.path.basename(sys.argv[0] or "python")
+
+    def emit(kind, name, seconds=None, **extra):
+        event = {"t": round(time.time(), 4), "pid": os.getpid(), "proc": process_name(),
+                 "kind": kind, "name": str(name)[:200]}
+        if seconds is not None:
+            event["s"] = round(seconds, 5)
+        event.update(extra)
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(event, default=str) + "\n").encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def timed(kind, name_of, fn, **extra_of):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                try:
+                    emit(kind, name_of(args, kwargs), time.perf_counter() - started)
+                except Exception:
+                    pass
+        wrapper.__wrapped__ = fn
+        wrapper._serve_probe = True
+        return wrapper
+
+    def wrap_method(cls, attr, kind, name_of):
+        """Time cls.attr, keeping it a static/class method if it was one."""
+        import inspect
+
+        raw = inspect.getattr_static(cls, attr, None)
+        if raw is None or getattr(raw, "_serve_probe", False):
+            return False
+        if isinstance(raw, staticmethod):
+            setattr(cls, attr, staticmethod(timed(kind, name_of, raw.__func__)))
+        elif isinstance(raw, classmethod):
+            setattr(cls, attr, classmethod(timed(kind, name_of, raw.__func__)))
+        else:
+            setattr(cls, attr, timed(kind, name_of, raw))
+        return True
+
+    # ------------------------------------------------------------------ per surface
+    def on_triton_knobs(module):
+        previous = module.compilation.listener
+
+        def listener(*, src=None, metadata=None, metadata_group=None, times=None, cache_hit=False, **kw):
+            try:
+                fn = getattr(src, "fn", None)
+                name = getattr(fn, "__name__", None) or getattr(src, "name", None) or (metadata or {}).get("name")
+                total = getattr(times, "total", None)
+                emit("triton", name, (total / 1e6) if isinstance(total, (int, float)) else None,
+                     cache_hit=bool(cache_hit))
+            except Exception:
+                pass
+            if previous is not None:
+                return previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                                cache_hit=cache_hit, **kw)
+
+        module.compilation.listener = listener
+
+    def on_flashinfer_jit_core(module):
+        spec_cls = getattr(module, "JitSpec", None)
+        original = getattr(spec_cls, "build_and_load", None)
+        if original is None or getattr(original, "_serve_probe", False):
+            return
+
+        def build_and_load(self, *args, **kwargs):
+            try:
+                on_disk = bool(self.is_compiled)
+            except Exception:
+                on_disk = None
+            started = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                emit("flashinfer", getattr(self, "name", "?"), time.perf_counter() - started,
+                     built=(on_disk is False), spec=type(self).__name__)
+
+        build_and_load._serve_probe = True
+        spec_cls.build_and_load = build_and_load
+
+    class CuteCompile:
+        """Times ``cute.compile(...)`` and ``cute.compile[options](...)`` alike."""
+
+        _serve_probe = True
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getitem__(self, options):
+            return CuteCompile(self._inner[options])
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def __call__(self, *args, **kwargs):
+            kernel = args[0] if args else kwargs.get("function")
+            name = getattr(kernel, "__qualname__", None) or getattr(kernel, "__name__", None) or type(kernel).__name__
+            started = time.perf_counter()
+            try:
+                return self._inner(*args, **kwargs)
+            finally:
+                emit("cute_dsl", name, time.perf_counter() - started)
+
+    def on_cute(module):
+        compile_ = getattr(module, "compile", None)
+        if compile_ is not None and not getattr(compile_, "_serve_probe", False):
+            module.compile = CuteCompile(compile_)
+
+    def on_xgrammar(module):
+        info = getattr(module, "TokenizerInfo", None)
+        for attr in ("from_huggingface", "from_vocab_and_metadata"):
+            if info is not None:
+                wrap_method(info, attr, "xgrammar", lambda a, k, attr=attr: f"TokenizerInfo.{attr}")
+        compiler = getattr(module, "GrammarCompiler", None)
+        if compiler is not None:
+            for attr in ("compile_json_schema", "compile_builtin_json_grammar", "compile_regex",
+                         "compile_grammar", "compile_structural_tag"):
+                wrap_method(compiler, attr, "xgrammar", lambda a, k, attr=attr: f"GrammarCompiler.{attr}")
+
+    def on_chat_template_utils(module):
+        compile_ = getattr(module, "_compile_jinja_template", None)
+        if compile_ is not None and not getattr(compile_, "_serve_probe", False):
+            module._compile_jinja_template = timed("chat_template", lambda a, k: "jinja compile", compile_)
+
+    def on_dynamo_callback(module):
+        handler = getattr(module, "callback_handler", None)
+        if handler is None:
+            return
+        starts = {}
+
+        def on_start(*args, **kwargs):
+            starts[os.getpid()] = time.perf_counter()
+
+        def on_end(*args, **kwargs):
+            started = starts.pop(os.getpid(), None)
+            emit("torch_compile", "dynamo compile", None if started is None else time.perf_counter() - started)
+
+        try:
+            handler.register_start_callback(on_start)
+            handler.register_end_callback(on_end)
+        except Exception:
+            pass
+
+    hooks = {
+        "triton.knobs": on_triton_knobs,
+        "flashinfer.jit.core": on_flashinfer_jit_core,
+        "cutlass.cute": on_cute,
+        "xgrammar": on_xgrammar,
+        "transformers.utils.chat_template_utils": on_chat_template_utils,
+        "torch._dynamo.callback": on_dynamo_callback,
+    }
+
+    class Loader:
+        def __init__(self, inner, name):
+            self._inner, self._name = inner, name
+
+        def __getattr__(self, attr):
+            return getattr(self._inner, attr)
+
+        def create_module(self, spec):
+            create = getattr(self._inner, "create_module", None)
+            return create(spec) if create is not None else None
+
+        def exec_module(self, module):
+            self._inner.exec_module(module)
+            try:
+                hooks[self._name](module)
+                emit("probe", self._name, hooked=True)
+            except Exception as exc:
+                emit("probe", self._name, hooked=False, error=f"{type(exc).__name__}: {exc}"[:300])
+
+    class Finder:
+        """Adds a recorder right after one of `hooks`' modules has executed."""
+
+        def find_spec(self, name, path=None, target=None):
+            if name not in hooks:
+                return None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = Loader(spec.loader, name)
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+    emit("probe", "installed", argv=" ".join(sys.argv[:3])[:200])
+
+
+if os.environ.get("SERVE_PROBE_LOG"):
+    try:
+        _install(os.environ["SERVE_PROBE_LOG"])
+    except Exception as _exc:  # a probe never breaks the server it measures
+        sys.stderr.write(f"serve_probe: not installed: {_exc!r}\n")
+_chain_next_sitecustomize()

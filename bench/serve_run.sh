@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The serving benchmark on the GPU host, in ONE device call (10-minute limit), from the
+# repository root of the working-tree copy:
+#
+#   VER=0.33.0-flashinfer MODELS="tiny-qwen3-next tiny-deepseek-v32" bash bench/serve_run.sh
+#
+# Installs kwarm from this tree, then runs bench/serve_bench.py for every model side by side
+# (each: `vllm serve` and `kwarm run -- vllm serve` on their own empty caches, a cold start and a
+# warm restart when the budget allows; every model's servers start together, requests are measured
+# one model at a time through a shared lock), and writes to $OUT: serve-results.tgz (result JSON,
+# server logs, probe events, install.log), table.md and the result JSON of each model.
+#
+# Environment (defaults):
+#   VER=0.33.0-flashinfer  staged release: source $STAGED/vllm-$VER/env.sh
+#   STAGED=/tmp/kwarm-gpu
+#   MODELS="tiny-qwen3-next tiny-deepseek-v32"   folders under bench/models/
+#   MODEL_ARGS_<name>=""   extra serve_bench.py arguments of one model (<name>: the folder with every
+#                          character but A-Z a-z 0-9 _ turned into _), e.g.
+#                          MODEL_ARGS_deepseek_v32_2l="--gpu-util 0.3 --kv-bytes 8G"
+#   BENCH_ARGS=""          extra serve_bench.py arguments of every model (e.g. "--restarts 0")
+#   BUDGET=560             seconds for the whole script
+#   WORK=/tmp/kwarm-serve  caches and model copies (not returned)
+set -uo pipefail
+shopt -s nullglob
+cd "$(dirname "$0")/.." || exit 1
+VER=${VER:-0.33.0-flashinfer}
+STAGED=${STAGED:-/tmp/kwarm-gpu}
+MODELS=${MODELS:-"tiny-qwen3-next tiny-deepseek-v32"}
+BENCH_ARGS=${BENCH_ARGS:-}
+BUDGET=${BUDGET:-560}
+WORK=${WORK:-/tmp/kwarm-serve}
+FINAL_OUT=${OUT:-bench/results/serve}
+OUT=$WORK/out
+PY=${PY:-python3}
+START=$(date +%s)
+rm -rf "$WORK" && mkdir -p "$OUT" "$FINAL_OUT"
+FINAL_OUT=$(cd "$FINAL_OUT" && pwd)
+pack() {
+  tar czf "$FINAL_OUT/serve-results.tgz" -C "$OUT" . 2>/dev/null
+  cp -f "$OUT"/table.md "$OUT"/*.serve.json "$FINAL_OUT/" 2>/dev/null; true
+}
+trap pack EXIT
+unset KWARM_ENABLE KWARM_REPORT KWARM_WARMUPS KWARM_MANIFEST KWARM_LEARN
+
+if [ ! -f "$STAGED/vllm-$VER/env.sh" ]; then
+  echo "no staged vLLM $VER on this host ($STAGED/vllm-$VER/env.sh): stage it first (bench/README.md)"
+  exit 1
+fi
+# shellcheck disable=SC1090
+source "$STAGED/vllm-$VER/env.sh"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}   # FlashInfer's JIT builds with the host's nvcc
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+{ echo "CUDA_HOME=$CUDA_HOME"; command -v nvcc ninja; nvcc --version 2>/dev/null | tail -1; } | tee -a "$OUT/gpu.txt"
+# shellcheck source=bench/install_kwarm.sh
+source bench/install_kwarm.sh
+install_kwarm || exit 1
+
+i=0
+pids=()
+for m in $MODELS; do
+  var="MODEL_ARGS_${m//[^A-Za-z0-9_]/_}"
+  left=$(( BUDGET - ($(date +%s) - START) - 25 ))
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONUNBUFFERED=1 "$PY" "$OLDPWD/bench/serve_bench.py" "$OLDPWD/bench/models/$m" --out "$OUT" \
+     --work "$WORK/runs" --port $((8100 + 10 * i)) --sync-lock "$WORK/requests.lock" --budget "$left" \
+     $BENCH_ARGS ${!var:-}) >"$OUT/$m.bench.log" 2>&1 &
+  pids+=($!)
+  i=$((i + 1))
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for m in $MODELS; do echo "== $m"; grep -E "ready in|NOT READY|no .* restart|Traceback|Error" "$OUT/$m.bench.log" | head -20; done
+(cd /tmp && "$PY" "$OLDPWD/bench/serve_bench.py" --table "$OUT"/*.serve.json) >"$OUT/table.md" 2>&1
+cat "$OUT/table.md"
+echo "serve_run: $(( $(date +%s) - START )) s"

@@ -1,0 +1,299 @@
+"""The serving benchmark's CPU side (bench/serve_bench.py, serve_tokenizer.py, serve_probe/): the
+tokenizer it builds, the request set, the probe in a real interpreter, the counting and the table,
+and one whole measured phase against a stand-in for the GPU server (tests/fixtures/openai_standin.py:
+real openai client, real probe, real xgrammar; only `vllm serve` itself is replaced)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+import serve_bench  # noqa: E402
+import serve_tokenizer  # noqa: E402
+
+TINY = BENCH / "models" / "tiny-qwen3-next"
+STANDIN = REPO / "tests" / "fixtures" / "openai_standin.py"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve-model")
+    info = serve_tokenizer.write_model_folder(TINY, out)
+    return out, info
+
+
+def test_the_tokenizer_fills_the_models_vocabulary_and_renders_tools(model_dir):
+    from transformers import AutoTokenizer
+
+    out, info = model_dir
+    assert info["vocab_size"] == 4096 and info["tokenizer_ids"] == 4096
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 4096 and tok.eos_token == "<|im_end|>" and tok.eos_token_id == info["eos_id"]
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Session 1"}, {"role": "user", "content": "hello"}],
+        tools=serve_bench.TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nSession 1<|im_end|>\n<|im_start|>system\n# Tools\n<tools>\n")
+    assert '"name": "get_weather"' in text and text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    # byte-level: any text round-trips, JSON included
+    sample = 'Brastoo {"city": "x", "days": 12} ünïcode'
+    assert tok.decode(tok(sample)["input_ids"]) == sample
+    assert json.loads((out / "config.json").read_text()) == json.loads((TINY / "config.json").read_text())
+
+
+def test_xgrammar_reads_the_tokenizer_as_byte_level(model_dir):
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir[0]), vocab_size=4096)
+    assert info.vocab_type == xgrammar.VocabType.BYTE_LEVEL and info.vocab_size == 4096
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(serve_bench.SCHEMA_A))
+    assert grammar is not None
+
+
+def test_the_tokenizer_is_deterministic_and_refuses_a_config_without_vocabulary(tmp_path, model_dir):
+    again = serve_tokenizer.write_model_folder(TINY, tmp_path / "again")
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (model_dir[0] / "tokenizer.json").read_bytes()
+    assert again["eos_id"] == model_dir[1]["eos_id"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"vocab_size": 10}')
+    assert serve_tokenizer.main([str(tmp_path / "bad"), str(tmp_path / "o")]) == 1
+
+
+def test_the_long_prompt_reaches_its_token_count(model_dir):
+    from tokenizers import Tokenizer
+
+    n = serve_bench.long_prompt_words(model_dir[0] / "tokenizer.json")
+    tok = Tokenizer.from_file(str(model_dir[0] / "tokenizer.json"))
+    text = serve_bench.prompt_text(serve_bench.content_seed("x", "long-prompt", "first"), n)
+    assert len(tok.encode(text).ids) >= serve_bench.LONG_PROMPT_TOKENS
+
+
+def test_the_request_set_covers_what_operators_send():
+    kinds = {k.name: k for k in serve_bench.REQUEST_KINDS}
+    bodies = {name: serve_bench.build_request(k, 5, "bench") for name, k in kinds.items()}
+    sampled = [b for b in bodies.values() if b.get("temperature", 0) > 0]
+    assert any("top_k" in b.get("extra_body", {}) for b in sampled)
+    assert any("min_p" in b.get("extra_body", {}) for b in sampled)
+    assert any("seed" in b for b in sampled)
+    assert bodies["stream"]["stream"] and bodies["burst"]["stream"]
+    assert bodies["n2"]["n"] == 2 and bodies["logprobs"]["top_logprobs"] == 5
+    assert bodies["prompt-logprobs"]["extra_body"]["prompt_logprobs"] == 3
+    assert {"presence_penalty", "frequency_penalty"} <= set(bodies["penalties"])
+    assert "repetition_penalty" in bodies["penalties"]["extra_body"]
+    assert bodies["logit-bias"]["logit_bias"] and bodies["stop-strings"]["stop"]
+    schemas = [b["response_format"]["json_schema"]["schema"] for b in bodies.values() if "response_format" in b]
+    assert schemas == [serve_bench.SCHEMA_A, serve_bench.SCHEMA_B]
+    assert bodies["tool-call"]["tool_choice"]["function"]["name"] == "get_weather"
+    assert "prompt" in bodies["completion"] and "messages" not in bodies["completion"]
+    # structured and tool requests must be free to end (ignore_eos would fight the grammar)
+    for name in ("json-schema", "json-schema-new", "tool-call"):
+        assert "ignore_eos" not in bodies[name].get("extra_body", {})
+
+
+def test_every_first_occurrence_is_followed_by_its_repeat_with_other_content():
+    plan = serve_bench.request_plan()
+    assert [o for _, o in plan] == ["first", "repeat"] * len(serve_bench.REQUEST_KINDS)
+    assert [k.name for k, _ in plan[::2]] == [k.name for k in serve_bench.REQUEST_KINDS]
+    seeds = {serve_bench.content_seed(p, k.name, o) for p in ("cold", "warm") for k, o in plan}
+    assert len(seeds) == 2 * len(plan)  # no two requests share content, across phases too
+    kind = serve_bench.KIND_BY_NAME["chat-greedy"]
+    first = serve_bench.build_request(kind, serve_bench.content_seed("cold", kind.name, "first"), "m")
+    repeat = serve_bench.build_request(kind, serve_bench.content_seed("cold", kind.name, "repeat"), "m")
+    assert first["messages"][0]["content"] != repeat["messages"][0]["content"]
+    assert len(first["messages"][1]["content"].split()) == len(repeat["messages"][1]["content"].split())
+
+
+def _probe_run(tmp_path, code, model):
+    log = tmp_path / "events.jsonl"
+    env = dict(os.environ, SERVE_PROBE_LOG=str(log), PYTHONPATH=str(BENCH / "serve_probe"),
+               TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code, str(model)], env=env, capture_output=True, text=True,
+                          timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return serve_bench.load_events(log), proc
+
+
+PROBED = """
+import json, sys
+import triton.knobs as knobs
+knobs.compilation.listener(src=None, metadata={"name": "_my_kernel"}, metadata_group={}, times=None, cache_hit=False)
+knobs.compilation.listener(src=None, metadata={"name": "_from_disk"}, metadata_group={}, times=None, cache_hit=True)
+import xgrammar
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok))
+schema = json.dumps({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}}}})
+compiler.compile_json_schema(schema)
+compiler.compile_json_schema(schema)
+tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+import torch
+torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+print("ok")
+"""
+
+
+def test_the_probe_records_each_surface_in_a_real_interpreter(tmp_path, model_dir):
+    events, proc = _probe_run(tmp_path, PROBED, model_dir[0])
+    assert proc.stdout.strip().endswith("ok")
+    hooked = {e["name"] for e in events if e["kind"] == "probe" and e.get("hooked")}
+    assert {"triton.knobs", "xgrammar", "transformers.utils.chat_template_utils", "torch._dynamo.callback"} <= hooked
+    lazy = serve_bench.summarize_lazy(events)
+    assert lazy["names"]["triton"] == {"_my_kernel": 1} and lazy["names"]["triton_disk"] == {"_from_disk": 1}
+    assert lazy["counts"]["torch_compile"] >= 1
+    # tokenizer info and the first compile are work; the cached second compile is not
+    assert lazy["names"]["xgrammar"]["GrammarCompiler.compile_json_schema"] == 1
+    assert "TokenizerInfo.from_huggingface" in lazy["frontend_ms"]
+    assert lazy["n"] == 2 + lazy["counts"]["torch_compile"]
+
+
+def test_the_probe_is_inert_without_its_variable_and_chains_the_users_sitecustomize(tmp_path):
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = '1'\n")
+    code = "import os, sys; print(os.environ.get('USER_SITE_RAN'), any(type(f).__name__ == 'Finder' for f in sys.meta_path))"
+    env = {k: v for k, v in os.environ.items() if k != "SERVE_PROBE_LOG"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH / "serve_probe"), str(user)])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "False"], out.stderr
+    env["SERVE_PROBE_LOG"] = str(tmp_path / "e.jsonl")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "True"], out.stderr
+
+
+def test_cache_folders_name_what_compiled_where_the_probe_cannot_see():
+    surface = serve_bench.cache_surface
+    assert surface("vllm/deep_gemm/cache/kernel.fp8_gemm.abc123/kernel.cubin") == ("deep_gemm", "kernel.fp8_gemm.abc123")
+    assert surface("flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/sampling/sampling.so") == ("flashinfer", "sampling")
+    assert surface("flashinfer/.cache/flashinfer/0.7.2.post1/90a/cached_ops/sampling/sampling.cuda.o") is None
+    assert surface("triton/AB12/_fwd_kernel.cubin") == ("triton", "_fwd_kernel")
+    assert surface("vllm/torch_compile_cache/x/rank_0/triton_cache/CD/_gdn_fwd.cubin") == ("triton", "_gdn_fwd")
+    assert surface("home/.cache/tvm-ffi/torch_c_dlpack/libtorch_c_dlpack.so") == ("tvm_ffi", "libtorch_c_dlpack.so")
+    assert surface("triton/AB12/_fwd_kernel.json.tmp") is None
+    new = ["vllm/deep_gemm/cache/kernel.k1.h/a.cubin", "vllm/deep_gemm/cache/kernel.k1.h/b.cubin",
+           "home/.cache/tvm-ffi/x/lib.so", "triton/AB/_k.cubin"]
+    lazy = serve_bench.summarize_lazy([], new)
+    # one DeepGEMM kernel however many files; Triton's files are the probe's to count
+    assert lazy["names"] == {"deep_gemm": {"kernel.k1.h": 1}, "tvm_ffi": {"lib.so": 1}} and lazy["n"] == 2
+
+
+def test_backends_come_from_vllms_own_log_lines():
+    lines = [
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:02 [cuda.py:509] Using FLASH_ATTN attention backend out of "
+        "potential backends: ['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN'].",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:02 [qwen_gdn_linear_attn.py:300] Using FlashInfer GDN prefill "
+        "kernel (requested=auto, head_k_dim=128).",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
+        "(APIServer pid=10) INFO 12-05 08:01:09 [api_server.py:1] Starting vLLM API server on http://127.0.0.1:8100",
+    ]
+    assert serve_bench.backends_from_log(lines) == [
+        "Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN'].",
+        "Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128).",
+        "Using FlashInfer for top-p & top-k sampling."]
+
+
+def test_servers_never_get_a_backend_forcing_variable_and_each_has_its_own_caches(tmp_path):
+    base = {"PATH": "/bin", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ATTENTION_BACKEND": "TRITON_ATTN",
+            "KWARM_ENABLE": "1", "PYTHONPATH": "/staged/site"}
+    plain = serve_bench.server_env(base, tmp_path / "plain", "plain")
+    kwarm = serve_bench.server_env(base, tmp_path / "kwarm", "kwarm")
+    for env in (plain, kwarm):
+        assert not {"VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND"} & set(env)
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(BENCH / "serve_probe"), "/staged/site"]
+    assert "KWARM_ENABLE" not in plain and "KWARM_REPORT" in kwarm
+    for key in ("HOME", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR",
+                "FLASHINFER_WORKSPACE_BASE", "CUTE_DSL_CACHE_DIR"):
+        assert plain[key] != kwarm[key] and Path(plain[key]).is_dir()
+
+
+def test_the_kwarm_server_runs_through_kwarm_run(tmp_path):
+    args = serve_bench.main.__globals__["argparse"].Namespace(
+        max_model_len=12288, gpu_util=0.2, kv_bytes="4G", serve_arg=["--enforce-eager"], learn=True)
+    plain = serve_bench.serve_command(tmp_path, 8100, args, kwarm=False)
+    kw = serve_bench.serve_command(tmp_path, 8101, args, kwarm=True)
+    assert plain[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
+    assert "--load-format" in plain and plain[-1] == "--enforce-eager"
+    i = kw.index("run")
+    assert kw[i + 1:i + 3] == ["--learn", "--"] and kw[i + 3:][4] == str(tmp_path)
+
+
+def _standin_server(tmp_path, name, port, tokenizer_dir):
+    root = tmp_path / name
+    root.mkdir()
+    env = serve_bench.server_env(dict(os.environ), root, name)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return serve_bench.Server(name, root, port, [sys.executable, str(STANDIN), str(port), str(tokenizer_dir), "0.5"], env)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_whole_phase_against_a_stand_in_server(tmp_path, model_dir):
+    servers = [_standin_server(tmp_path, n, _free_port(), model_dir[0]) for n in ("plain", "kwarm")]
+    messages = []
+    try:
+        started = serve_bench.start_phase(servers, "cold", 120, messages.append)
+        for s in servers:
+            assert started[s.name]["ready"] and started[s.name]["launch_to_ready_s"] >= 0.5
+            assert "Using FlashInfer for top-p & top-k sampling." in started[s.name]["backends"]
+        measured = serve_bench.measure_phase(servers, "cold", "bench", 100, time.time() + 300, messages.append)
+    finally:
+        for s in servers:
+            s.stop()
+    assert not any(s.alive() for s in servers)
+    for name in ("plain", "kwarm"):
+        reqs = measured[name]["requests"]
+        assert len(reqs) == 2 * len(serve_bench.REQUEST_KINDS)
+        assert [r.get("error") for r in reqs] == [None] * len(reqs)
+        by = {(r["kind"], r["occurrence"]): r for r in reqs}
+        assert by[("stream", "first")]["ttft_s"] > 0 and by[("stream", "first")]["itl_s"] > 0
+        assert by[("burst", "first")]["completed"] == serve_bench.BURST
+        assert by[("tool-call", "first")]["tool_calls"] == 1 and by[("json-schema", "first")]["valid_json"]
+        # the stand-in's first structured request builds xgrammar's tokenizer info and compiles a grammar;
+        # the same schema again compiles nothing; a new schema compiles once more
+        first = by[("json-schema", "first")]["lazy"]
+        assert "TokenizerInfo.from_huggingface" in first["names"]["xgrammar"]
+        assert "xgrammar" not in by[("json-schema", "repeat")]["lazy"]["names"]
+        assert by[("json-schema-new", "first")]["lazy"]["names"]["xgrammar"] == {"GrammarCompiler.compile_json_schema": 1}
+        assert by[("chat-greedy", "first")]["lazy"]["n"] == 0
+    result = {"model": "tiny", "versions": {"vllm": "0.33.0"}, "request_kinds": [
+        {"name": k.name} for k in serve_bench.REQUEST_KINDS], "phases": [{"phase": "cold", "servers": {
+            n: {**started[n], **measured[n]} for n in ("plain", "kwarm")}}]}
+    table = serve_bench.render([result])
+    assert "| launch to ready |" in table and "| json-schema |" in table and "xgrammar" in table
+    assert table.count("\n| ") >= len(serve_bench.REQUEST_KINDS) + 3
+
+
+def test_table_cli_and_help(tmp_path, capsys):
+    path = tmp_path / "r.serve.json"
+    path.write_text(json.dumps({"schema": serve_bench.SCHEMA, "model": "m", "versions": {}, "phases": []}))
+    assert serve_bench.main(["--table", str(path)]) == 0
+    assert serve_bench.main(["--table", str(tmp_path / "missing.json")]) == 1
+    assert "missing.json" in capsys.readouterr().err
+    out = subprocess.run([sys.executable, str(BENCH / "serve_bench.py"), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--restarts" in out.stdout and "vllm serve" in out.stdout
+    bad = subprocess.run([sys.executable, str(BENCH / "serve_bench.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and "no config.json" in bad.stderr
+
+
+def test_importing_the_benchmark_needs_no_vllm_torch_or_openai():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import serve_bench, serve_tokenizer; "
+            "print(sorted(m for m in ('vllm', 'torch', 'openai', 'tokenizers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
