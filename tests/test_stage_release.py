@@ -114,3 +114,17 @@ def test_requirement_of_a_wheel_and_nothing_to_stage(tmp_path, capsys):
     with pytest.raises(SystemExit):
         stage_release.main([])
     assert "nothing to stage" in capsys.readouterr().err
+
+
+def test_env_sh_leaves_flashinfers_sampler_at_vllms_default_where_flashinfer_is_staged(tmp_path):
+    """What `pip install vllm` runs: FlashInfer staged, no variable that turns its sampler off; a
+    release staged without FlashInfer keeps the sampler on its torch path."""
+    import stage_host
+
+    site = tmp_path / "site"
+    site.mkdir()
+    without = stage_host.env_script(site, str(site))
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in without
+    (site / "flashinfer").mkdir()
+    with_fi = stage_host.env_script(site, str(site))
+    assert "FLASHINFER" not in with_fi and with_fi.startswith(f'export PYTHONPATH="{site}')
