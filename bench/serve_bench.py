@@ -398,6 +398,9 @@ def serve_command(model_dir: Path, port: int, args, kwarm: bool) -> list[str]:
            "--gpu-memory-utilization", str(args.gpu_util)]
     if args.kv_bytes:
         cmd += ["--kv-cache-memory-bytes", args.kv_bytes]
+    # what an operator serving tool calls sets: on vLLM 0.33 a named tool_choice is refused (400,
+    # "requires --tool-call-parser to be set") unless both are given; the built chat template is Hermes'
+    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     cmd += args.serve_arg
     if kwarm:
         return [*kwarm_launcher(), "run", *(["--learn"] if args.learn else []), "--", *cmd]
@@ -795,10 +798,60 @@ def render(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def chart(results: list[dict]) -> str:
+    """An SVG: per model and phase, each request kind's first and repeat time (TTFT where streamed)
+    on a log axis, `vllm serve` and `kwarm run -- vllm serve` on rows of their own."""
+    import math
+
+    panels = [(res, phase) for res in results for phase in res.get("phases", [])]
+    kinds = [k["name"] for k in (results[0].get("request_kinds") if results else [])] or [k.name for k in REQUEST_KINDS]
+    lo, hi = 0.005, 10.0
+    left, width, row, top = 150, 560, 14, 34
+    height_panel = top + row * 2 * len(kinds) + 30
+    total_h = max(1, len(panels)) * height_panel + 30
+    colors = {"plain": "#c0392b", "kwarm": "#2471a3"}
+
+    def x(seconds):
+        seconds = min(max(seconds, lo), hi)
+        return left + width * (math.log10(seconds) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 40}" height="{total_h}" '
+           'font-family="sans-serif" font-size="10">',
+           f'<text x="{left}" y="14" font-size="11">first occurrence (filled) and its repeat (hollow), '
+           f'<tspan fill="{colors["plain"]}">vllm serve</tspan> and <tspan fill="{colors["kwarm"]}">kwarm run -- '
+           'vllm serve</tspan>, seconds, log scale</text>']
+    for p, (res, phase) in enumerate(panels):
+        y0 = 20 + p * height_panel
+        out.append(f'<text x="4" y="{y0 + 18}" font-size="11" font-weight="bold">{res["model"]}, '
+                   f'{phase["phase"]} start ({res.get("gpu") or "GPU ?"})</text>')
+        for tick in (0.01, 0.1, 1, 10):
+            out.append(f'<line x1="{x(tick):.1f}" y1="{y0 + top - 6}" x2="{x(tick):.1f}" '
+                       f'y2="{y0 + top + row * 2 * len(kinds)}" stroke="#ddd"/>'
+                       f'<text x="{x(tick):.1f}" y="{y0 + top - 8}" text-anchor="middle">{tick:g}</text>')
+        for i, kind in enumerate(kinds):
+            for j, server in enumerate(("plain", "kwarm")):
+                y = y0 + top + row * (2 * i + j) + row / 2
+                if j == 0:
+                    out.append(f'<text x="{left - 6}" y="{y + 7}" text-anchor="end">{kind}</text>')
+                rows = {r["kind"]: r for r in pairs(phase["servers"].get(server, {}).get("requests", []))}
+                first = headline_time(rows.get(kind, {}).get("first"))
+                repeat = headline_time(rows.get(kind, {}).get("repeat"))
+                c = colors[server]
+                if first is not None and repeat is not None:
+                    out.append(f'<line x1="{x(first):.1f}" y1="{y}" x2="{x(repeat):.1f}" y2="{y}" stroke="{c}"/>')
+                if repeat is not None:
+                    out.append(f'<circle cx="{x(repeat):.1f}" cy="{y}" r="3.5" fill="white" stroke="{c}"/>')
+                if first is not None:
+                    out.append(f'<circle cx="{x(first):.1f}" cy="{y}" r="3.5" fill="{c}"/>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="model folder with config.json (bench/models/...)")
     ap.add_argument("--table", nargs="+", metavar="RESULT", help="print the markdown tables of result files and exit")
+    ap.add_argument("--chart", nargs="+", metavar=("OUT.svg", "RESULT"), help="write an SVG chart of result files and exit")
     ap.add_argument("--out", default=str(HERE / "results" / "serve"), help="folder for results and server logs")
     ap.add_argument("--work", default="/tmp/kwarm-serve", help="folder for caches, model copy, events (not kept)")
     ap.add_argument("--servers", default="plain,kwarm", help="comma list of plain, kwarm (default both)")
@@ -813,9 +866,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sync-lock", metavar="FILE", help="a lock file shared with benchmarks beside this one")
     ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")
     args = ap.parse_args(argv)
-    if args.table:
+    if args.table or args.chart:
+        if args.chart and len(args.chart) < 2:
+            ap.error("--chart OUT.svg RESULT...")
         results = []
-        for path in args.table:
+        for path in (args.table or args.chart[1:]):
             try:
                 data = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
@@ -823,7 +878,11 @@ def main(argv=None) -> int:
                 return 1
             if data.get("schema") == SCHEMA:
                 results.append(data)
-        print(render(results))
+        if args.chart:
+            Path(args.chart[0]).write_text(chart(results))
+            print(f"serve_bench: wrote {args.chart[0]} ({len(results)} results)")
+        else:
+            print(render(results))
         return 0
     if not args.model:
         ap.error("give a model folder, or --table RESULT...")

@@ -222,6 +222,9 @@ def test_the_kwarm_server_runs_through_kwarm_run(tmp_path):
     kw = serve_bench.serve_command(tmp_path, 8101, args, kwarm=True)
     assert plain[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
     assert "--load-format" in plain and plain[-1] == "--enforce-eager"
+    # a named tool_choice needs both on vLLM 0.33 (measured: 400 with --tool-call-parser alone)
+    i = plain.index("--enable-auto-tool-choice")
+    assert plain[i + 1:i + 3] == ["--tool-call-parser", "hermes"]
     i = kw.index("run")
     assert kw[i + 1:i + 3] == ["--learn", "--"] and kw[i + 3:][4] == str(tmp_path)
 
@@ -297,3 +300,21 @@ def test_importing_the_benchmark_needs_no_vllm_torch_or_openai():
             "print(sorted(m for m in ('vllm', 'torch', 'openai', 'tokenizers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_chart_draws_every_kind_for_both_servers(tmp_path):
+    """One published result: every kind of both servers gets its first (filled) and repeat (hollow)."""
+    published = sorted((BENCH / "published").glob("*/serve/tiny-qwen3-next.serve.json"))
+    assert published, "the published serving result"
+    out = tmp_path / "c.svg"
+    assert serve_bench.main(["--chart", str(out), str(published[0])]) == 0
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(out).getroot()
+    circles = root.findall("{http://www.w3.org/2000/svg}circle")
+    data = json.loads(published[0].read_text())
+    answered = sum(1 for p in data["phases"] for s in p["servers"].values() for r in s.get("requests", [])
+                   if not r.get("error"))
+    assert len(circles) == answered
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--chart", str(out)])
