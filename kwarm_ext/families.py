@@ -127,6 +127,12 @@ FAMILIES = {
                "(config region x integer class), through the runner's own dummy runs",
                "none (0.20-0.33): the V2 runner's warmup_kernels (0.29+) runs a few real steps, which do "
                "not reach the eager token counts; kwarm warms every class, on the V1 and V2 runners"),
+        Family("sampler", "kwarm_ext.kernels.sampler",
+               "Model Runner V2's sampler: seeded top-k/top-p (Triton), min_p and temperature (fp32 Gumbel), "
+               "a mixed greedy/sampled batch, and the logprob kernels at every count class up to max_logprobs, "
+               "through the runner's own sampler and vLLM's compute_topk_scores",
+               "vLLM's _dummy_sampler_run covers greedy and FlashInfer's fused sampler (0.29-0.33), and its JIT "
+               "registry the Triton top-k/top-p only with speculative decoding (0.33); kwarm adds the rest"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving",
