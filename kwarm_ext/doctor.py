@@ -127,7 +127,7 @@ def enabled_text(raw: str | None, enabled: bool) -> str:
 def collect() -> dict:
     from kwarm_ext import activation, config
     from kwarm_ext._version import __version__
-    from kwarm_ext.families import FAMILIES, FRONTEND
+    from kwarm_ext.families import FAMILIES, PROCESS_FAMILIES
     from kwarm_ext.upstream import ATTENTION_BACKENDS, UPSTREAM_WARMUPS, detect
 
     settings = config.parse()
@@ -145,8 +145,8 @@ def collect() -> dict:
         "upstream_warmups": {} if vllm else {"error": "vllm is not installed: nothing to compare with"},
         "families": {n: {"summary": f.summary, "upstream": f.upstream, "selected": settings.warmups.wants(n),
                          "forced": n in settings.warmups.forced,
-                         "here": _applies_here(n, settings, vllm, here)}
-                     for n, f in {**FAMILIES, FRONTEND.name: FRONTEND}.items()},
+                         "here": _applies_here(f, settings, vllm, here)}
+                     for n, f in {**FAMILIES, **PROCESS_FAMILIES}.items()},
         "attention_backends": {n: {"runs": runs, "warmed_by": by} for n, (runs, by) in ATTENTION_BACKENDS.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),
@@ -161,14 +161,14 @@ def collect() -> dict:
     return report
 
 
-def _applies_here(name: str, settings, vllm: str | None, here: dict) -> str:
-    """Whether family `name` would run on this machine, and if not, why."""
-    if not settings.warmups.wants(name):
+def _applies_here(family, settings, vllm: str | None, here: dict) -> str:
+    """Whether `family` would run on this machine, and if not, why."""
+    if not settings.warmups.wants(family.name):
         return "no: disabled by KWARM_WARMUPS"
     if not settings.enable:
         return "no: kwarm is disabled (KWARM_ENABLE)"
-    if name == "frontend":
-        return "in vLLM's front-end process" if vllm else "no: vllm is not installed"
+    if family.process != "worker":
+        return f"in vLLM's {family.process} process" if vllm else "no: vllm is not installed"
     if not vllm:
         return "no: vllm is not installed"
     if not here["available"]:

@@ -50,6 +50,7 @@ class Family:
     after_capture: bool = False  # planned and run after compile_or_warm_up_model
     ahead: bool = False  # planned and run before vLLM's profile run (else its kernel_warmup)
     before_load: bool = False  # its module's before_load(worker) runs as vLLM starts loading weights
+    process: str = "worker"  # where it runs: the worker's warmup, or another vLLM process (not planned there)
 
     def load(self):
         return importlib.import_module(self.module)
@@ -133,6 +134,10 @@ FAMILIES = {
                "through the runner's own sampler and vLLM's compute_topk_scores",
                "vLLM's _dummy_sampler_run covers greedy and FlashInfer's fused sampler (0.29-0.33), and its JIT "
                "registry the Triton top-k/top-p only with speculative decoding (0.33); kwarm adds the rest"),
+        Family("flashinfer_jit", "kwarm_ext.kernels.flashinfer_jit",
+               "FlashInfer modules the chosen backends build with nvcc on first call: concat_mla_k of "
+               "128-head MLA layers (DeepSeek-V3/V3.2, GLM-5), built or loaded at start",
+               "none (0.33): vLLM's start-up sampler check builds the sampling module; nothing builds concat_mla"),
         Family("eager_attention", "kwarm_ext.kernels.eager_attention",
                "one eager prefill and one mixed dummy step with attention metadata: the first use "
                "of the attention layers' eager prefill path (torch ops, cuBLAS shapes) before serving",
@@ -159,12 +164,20 @@ FAMILIES = {
 FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
                   "is built, not on the first request",
-                  "none: vLLM loads them on the first request (0.20-0.33)")
+                  "none: vLLM loads them on the first request (0.20-0.33)", process="front-end")
+# Not a worker family either: it runs in vLLM's engine core, when the StructuredOutputManager is
+# built (kwarm_ext/patches.py), building xgrammar's backend beside the engine's start.
+STRUCTURED_OUTPUT = Family("structured_output", "kwarm_ext.structured_output",
+                           "engine core: builds xgrammar's structured-output backend (tokenizer info, grammar "
+                           "compilers) while the engine starts, for the first structured request to use",
+                           "none: vLLM builds it on the first structured request (0.20-0.33)",
+                           process="engine core")
+PROCESS_FAMILIES = {f.name: f for f in (FRONTEND, STRUCTURED_OUTPUT)}
 
 
 def selectable() -> tuple:
-    """Every name KWARM_WARMUPS accepts: the table's families and the front end."""
-    return (*FAMILIES, FRONTEND.name)
+    """Every name KWARM_WARMUPS accepts: the table's families and those of other processes."""
+    return (*FAMILIES, *PROCESS_FAMILIES)
 
 
 def triton_owners() -> dict:

@@ -12,7 +12,9 @@ before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
 :func:`_wrap_input_processor_init`) and ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
-(deep_gemm's early start, documented at :func:`_wrap_create_engine_config`).
+(deep_gemm's early start, documented at :func:`_wrap_create_engine_config`), and
+``vllm.v1.structured_output.StructuredOutputManager.__init__`` and ``.grammar_init`` (xgrammar's
+backend built at start, documented at :func:`_wrap_structured_output_init`).
 
 Why: vLLM compiles Triton kernels lazily, on the first request that hits each
 specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
@@ -317,6 +319,35 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     return result
 
 
+def _wrap_structured_output_init(wrapped, instance, args, kwargs):
+    """Build vLLM's ``StructuredOutputManager``, then start building xgrammar's backend beside the
+    engine's start (``kwarm_ext.structured_output.prepare``).
+
+    Why: vLLM builds the backend on the first structured request, in that request's time (475 ms at
+    a 129k vocabulary, BENCHMARKS.md); the manager is built once per engine core, before any request,
+    in every release 0.20-0.33 (``vllm/v1/structured_output/__init__.py``). It can go when vLLM builds
+    its structured-output backend at start-up.
+    """
+    result = wrapped(*args, **kwargs)
+    with fail_open("structured-output warmup failed, skipped"):
+        from kwarm_ext import structured_output
+
+        structured_output.prepare(instance)
+    return result
+
+
+def _wrap_grammar_init(wrapped, instance, args, kwargs):
+    """Give the manager the backend kwarm built, if the first structured request resolves to xgrammar,
+    then run vLLM's ``grammar_init`` (which then finds a backend and builds none). Releases and removal:
+    as :func:`_wrap_structured_output_init`."""
+    with fail_open("structured-output warmup failed, skipped"):
+        from kwarm_ext import structured_output
+
+        if args or "request" in kwargs:
+            structured_output.adopt(instance, args[0] if args else kwargs["request"])
+    return wrapped(*args, **kwargs)
+
+
 # The table: every patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's families run after vLLM's warmup (its ahead families, deep_gemm, before vLLM's profile run)")
@@ -334,5 +365,11 @@ INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init,
 ENGINE_CONFIG = Patch(ENGINE_ARGS_MODULE, "create_engine_config", _wrap_create_engine_config, "0.20-0.33",
                       "DeepGEMM's compile processes start at weight loading, not with the engine's processes",
                       owner="EngineArgs")
+STRUCTURED_OUTPUT_MODULE = "vllm.v1.structured_output"
+STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_structured_output_init, "0.20-0.33",
+                               "xgrammar's backend is built on the first structured request",
+                               owner="StructuredOutputManager")
+GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.33",
+                     "the backend kwarm built is not used", owner="StructuredOutputManager")
 PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE,
-           INPUT_PROCESSOR)
+           INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT)

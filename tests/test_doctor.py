@@ -99,9 +99,9 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
 
 def test_every_family_says_what_upstream_covers_and_what_kwarm_adds():
     from kwarm_ext import doctor as doctor_module
-    from kwarm_ext.families import FAMILIES, FRONTEND
+    from kwarm_ext.families import FAMILIES, PROCESS_FAMILIES
 
-    for family in (*FAMILIES.values(), FRONTEND):
+    for family in (*FAMILIES.values(), *PROCESS_FAMILIES.values()):
         assert len(family.upstream) > 10, family.name
     r = {"kwarm": "x", "enable_text": "enabled", "versions": {}, "gpu": {"available": True, "name": "H200", "count": 1},
          "doors": {}, "hook_target": {"module": None, "error": "e"}, "upstream_warmups": {},
@@ -135,12 +135,15 @@ def test_doctor_first_line_says_what_kwarm_enable_is(value, first):
 
 def test_doctor_says_per_family_whether_it_would_run_here():
     from kwarm_ext import config, doctor as doctor_module
+    from kwarm_ext.families import FAMILIES, PROCESS_FAMILIES
 
-    on = config.parse({"KWARM_ENABLE": "1", "KWARM_WARMUPS": "-runner"}, known_families=("runner", "qwen_gdn",
-                                                                                          "frontend"))
+    fams = {**FAMILIES, **PROCESS_FAMILIES}
+    on = config.parse({"KWARM_ENABLE": "1", "KWARM_WARMUPS": "-runner"}, known_families=tuple(fams))
     no_gpu = {"available": False, "why": "no CUDA GPU is visible"}
-    assert doctor_module._applies_here("runner", on, "0.24.0", no_gpu) == "no: disabled by KWARM_WARMUPS"
-    assert doctor_module._applies_here("qwen_gdn", on, "0.24.0", no_gpu) == "no: no CUDA GPU is visible"
-    assert doctor_module._applies_here("qwen_gdn", on, None, no_gpu) == "no: vllm is not installed"
-    assert doctor_module._applies_here("frontend", on, "0.24.0", no_gpu) == "in vLLM's front-end process"
-    assert doctor_module._applies_here("qwen_gdn", on, "0.24.0", {"available": True}).startswith("yes")
+    here = lambda name, vllm="0.24.0", gpu=no_gpu: doctor_module._applies_here(fams[name], on, vllm, gpu)  # noqa: E731
+    assert here("runner") == "no: disabled by KWARM_WARMUPS"
+    assert here("qwen_gdn") == "no: no CUDA GPU is visible"
+    assert here("qwen_gdn", None) == "no: vllm is not installed"
+    assert here("frontend") == "in vLLM's front-end process"
+    assert here("structured_output") == "in vLLM's engine core process"
+    assert here("qwen_gdn", "0.24.0", {"available": True}).startswith("yes")
