@@ -11,7 +11,10 @@ Doors (each ends here, each a no-op unless ``KWARM_ENABLE`` is truthy):
 
 Activation registers import hooks (and, where the front end marked a block-FP8 DeepGEMM model,
 starts deep_gemm's compile processes' parent, a process of its own): it never imports vLLM,
-torch or Triton.
+torch or Triton. It also adds ``KWARM_`` to ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``
+(:func:`share_with_ray_workers`): vLLM's Ray workers start from the raylet's environment, and
+vLLM copies them only the variables with its own prefixes, so without it ``KWARM_ENABLE`` never
+reaches them; with it, door 1 or 3 opens there.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def activate(source: str = "api") -> bool:
             from kwarm_ext import patches
 
             patches.install()
+            share_with_ray_workers()
             _active = True
             _start_compile_parent(settings)
             logger.debug("kwarm activated from %s (KWARM_WARMUPS=%s)", source, settings.warmups.describe())
@@ -49,6 +53,19 @@ def activate(source: str = "api") -> bool:
         if _strict():
             raise
         return False
+
+
+RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+def share_with_ray_workers(env=None) -> None:
+    """Add ``KWARM_`` to the prefixes vLLM's Ray executor copies to its workers (comma list, additive
+    to vLLM's own: ``vllm/ray/ray_env.py``, 0.20-0.33). Needed for ``--distributed-executor-backend
+    ray``; it can go when vLLM copies the variables of its plugins itself."""
+    env = os.environ if env is None else env
+    prefixes = [p.strip() for p in env.get(RAY_PREFIXES_ENV, "").split(",") if p.strip()]
+    if "KWARM_" not in prefixes:
+        env[RAY_PREFIXES_ENV] = ",".join([*prefixes, "KWARM_"])
 
 
 def _start_compile_parent(settings) -> None:

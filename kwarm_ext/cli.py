@@ -37,7 +37,9 @@ def run_command(argv: list[str], learn: bool = False) -> int:
     env["KWARM_ENABLE"] = "1"
     if learn:
         env["KWARM_LEARN"] = "1"
-    from kwarm_ext.activation import bootstrap_dir
+    from kwarm_ext.activation import bootstrap_dir, share_with_ray_workers
+
+    share_with_ray_workers(env)  # KWARM_* reach vLLM's Ray workers (--distributed-executor-backend ray)
 
     boot = bootstrap_dir()
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
