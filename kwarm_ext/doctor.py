@@ -150,6 +150,7 @@ def collect() -> dict:
         "attention_backends": {n: {"runs": runs, "warmed_by": by} for n, (runs, by) in ATTENTION_BACKENDS.items()},
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),
+        "flashinfer": flashinfer_jit(),
     }
     if vllm:
         try:
@@ -159,6 +160,32 @@ def collect() -> dict:
         except Exception as exc:
             report["upstream_warmups"] = {"error": f"{type(exc).__name__}: {exc}"}
     return report
+
+
+def flashinfer_jit(env=None) -> dict:
+    """Whether FlashInfer can build the modules it compiles on first use (the wheel ``pip install
+    vllm`` brings ships none): its version, and the nvcc and ninja its JIT would run. Imports nothing."""
+    import shutil
+
+    env = os.environ if env is None else env
+    version = _version("flashinfer-python")
+    out = {"version": version, "can_build": False}
+    if version is None:
+        out["why"] = "not installed: vLLM runs its own kernels instead, and kwarm's flashinfer_jit has nothing to do"
+        return out
+    if env.get("FLASHINFER_DISABLE_JIT"):
+        out["why"] = "FLASHINFER_DISABLE_JIT is set: only modules already in its cache load"
+        return out
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH") or "/usr/local/cuda"
+    nvcc = env.get("FLASHINFER_NVCC") or os.path.join(home, "bin", "nvcc")
+    out.update(nvcc=nvcc if os.path.exists(nvcc) else None, ninja=shutil.which("ninja", path=env.get("PATH")))
+    missing = [name for name in ("nvcc", "ninja") if not out[name]]
+    if missing:
+        out["why"] = (f"no {' or '.join(missing)} (nvcc looked for at {nvcc}; set CUDA_HOME): a module not yet in "
+                      "FlashInfer's cache fails to build, and the request or warmup step that needs it fails")
+    else:
+        out["can_build"] = True
+    return out
 
 
 def _applies_here(family, settings, vllm: str | None, here: dict) -> str:
@@ -221,6 +248,10 @@ def render(r: dict) -> str:
             lines.append(f"  {name:26s} {'present' if u['present'] else 'absent ':8s} {u['covers']} [{u['releases']}]")
         else:
             lines.append(f"  {name}: {u}")
+    fi = r.get("flashinfer") or {}
+    if fi:
+        lines += ["", f"FlashInfer: {fi.get('version') or 'not installed'}: " + (
+            f"builds its JIT modules with {fi['nvcc']} and {fi['ninja']}" if fi.get("can_build") else fi.get("why", ""))]
     lines += ["", "attention backends (what a request runs, and what warms it):"]
     for name, b in r.get("attention_backends", {}).items():
         lines.append(f"  {name:21s} {b['runs']}: {b['warmed_by']}")

@@ -147,3 +147,23 @@ def test_doctor_says_per_family_whether_it_would_run_here():
     assert here("frontend") == "in vLLM's front-end process"
     assert here("structured_output") == "in vLLM's engine core process"
     assert here("qwen_gdn", "0.24.0", {"available": True}).startswith("yes")
+
+
+def test_doctor_says_whether_flashinfer_can_build_its_jit_modules(tmp_path, monkeypatch):
+    from kwarm_ext import doctor as doctor_module
+
+    monkeypatch.setattr(doctor_module, "_version", lambda dist: None if dist == "flashinfer-python" else "1")
+    assert "not installed" in doctor_module.flashinfer_jit({})["why"]
+    monkeypatch.setattr(doctor_module, "_version", lambda dist: "0.7.2.post1")
+    assert "FLASHINFER_DISABLE_JIT" in doctor_module.flashinfer_jit({"FLASHINFER_DISABLE_JIT": "1"})["why"]
+    cuda = tmp_path / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    no_compiler = doctor_module.flashinfer_jit({"CUDA_HOME": str(cuda), "PATH": str(bins)})
+    assert not no_compiler["can_build"] and "no nvcc or ninja" in no_compiler["why"] and "CUDA_HOME" in no_compiler["why"]
+    for tool in (cuda / "bin" / "nvcc", bins / "ninja"):
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+    ok = doctor_module.flashinfer_jit({"CUDA_HOME": str(cuda), "PATH": str(bins)})
+    assert ok["can_build"] and ok["nvcc"] == str(cuda / "bin" / "nvcc") and ok["ninja"] == str(bins / "ninja")
