@@ -18,6 +18,8 @@
 #                          character but A-Z a-z 0-9 _ turned into _), e.g.
 #                          MODEL_ARGS_deepseek_v32_2l="--gpu-util 0.3 --kv-bytes 8G"
 #   BENCH_ARGS=""          extra serve_bench.py arguments of every model (e.g. "--restarts 0")
+#   SEQUENTIAL=0           1: one model after another, each with the budget left (two servers on the GPU
+#                          at a time: published dimensions, where four servers do not fit or start slowly)
 #   BUDGET=560             seconds for the whole script
 #   WORK=/tmp/kwarm-serve  caches and model copies (not returned)
 set -uo pipefail
@@ -28,6 +30,7 @@ STAGED=${STAGED:-/tmp/kwarm-gpu}
 MODELS=${MODELS:-"tiny-qwen3-next tiny-deepseek-v32"}
 BENCH_ARGS=${BENCH_ARGS:-}
 BUDGET=${BUDGET:-560}
+SEQUENTIAL=${SEQUENTIAL:-0}
 WORK=${WORK:-/tmp/kwarm-serve}
 FINAL_OUT=${OUT:-bench/results/serve}
 OUT=$WORK/out
@@ -66,6 +69,7 @@ for m in $MODELS; do
      $BENCH_ARGS ${!var:-}) >"$OUT/$m.bench.log" 2>&1 &
   pids+=($!)
   i=$((i + 1))
+  if [ "$SEQUENTIAL" = 1 ]; then wait "$!"; fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
 for m in $MODELS; do echo "== $m"; grep -E "ready in|NOT READY|no .* restart|Traceback|Error" "$OUT/$m.bench.log" | head -20; done
