@@ -225,7 +225,7 @@ def _document(text: str) -> dict:
         raise BadManifest(f"not valid JSON ({printable(exc)})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BadManifest("not a kwarm manifest (no \"format\": \"kwarm-manifest\")")
-    if data.get("version") != FORMAT_VERSION:
+    if type(data.get("version")) is not int or data["version"] != FORMAT_VERSION:  # true == 1 in Python
         raise BadManifest(f"manifest format version {data.get('version')!r}; this kwarm reads {FORMAT_VERSION}")
     return data
 

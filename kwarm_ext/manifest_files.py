@@ -65,16 +65,13 @@ def read_trusted(path: str) -> str:
 
 def check_writable_target(path: str) -> None:
     """Raise :class:`BadManifest` unless `path` is absent or a regular file this user owns:
-    a save never replaces a device, a FIFO, a directory or another user's file."""
+    a save never replaces a device, a FIFO, a directory, a symbolic link or another user's file."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return
+    if stat.S_ISLNK(st.st_mode):  # replacing the link would not write where it points, nor keep it
+        raise BadManifest(f"refused to replace {printable(path)}: a symbolic link (give the path it points to)")
     if not stat.S_ISREG(st.st_mode):
         raise BadManifest(f"refused to replace {printable(path)}: not a regular file")
     if st.st_uid != os.geteuid():
@@ -206,14 +203,23 @@ def _remove_stale_temporaries(path: str) -> None:
 
 
 def _write_atomic(path: str, obj: dict) -> None:
+    write_atomic(path, _dumps(obj))
+
+
+def write_atomic(path: str, text: str, mode: int = 0o644) -> None:
+    """Write `text` to `path` atomically, following no link: a temporary file created beside it
+    with ``O_EXCL|O_NOFOLLOW`` (``tempfile.mkstemp``), its mode set on the descriptor (a swapped-in
+    link cannot redirect a chmod), flushed, renamed into place; removed again when anything fails
+    (a full disk included). Refuses a `path` that :func:`check_writable_target` refuses."""
+    check_writable_target(path)
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            f.write(_dumps(obj))
+            f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -396,15 +396,11 @@ def write_report(report: dict, path: str, rank: int) -> str:
         path = path.replace("{rank}", str(rank))
     elif rank:
         path = f"{path}.rank{rank}"
-    from kwarm_ext.manifest_files import check_writable_target
+    from kwarm_ext.manifest_files import check_writable_target, write_atomic
 
-    check_writable_target(path)  # never replace a device, a FIFO or another user's file
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(tmp, path)
+    check_writable_target(path)  # never replace a device, a FIFO, a link or another user's file
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(report, indent=1, default=str))  # O_EXCL|O_NOFOLLOW temporary, fchmod
     return path
 
 

@@ -292,3 +292,87 @@ def test_a_manifest_written_by_another_user_in_a_shared_folder_is_refused(tmp_pa
         manifest_files.save(str(path), STAMP, [entry()])
     assert os.stat(path).st_uid == 65534, "not replaced"
     shutil.rmtree(request_cleanup)
+
+
+# ---------------------------------------------------------------------------- issue 51, second round
+
+def test_3_the_reports_temporary_file_follows_no_link_planted_at_its_old_name(tmp_path):
+    """A user who can write the report's folder plants ``<report>.tmp.<pid>`` -> a file of the
+    engine's user: the report is written, the file untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    report = tmp_path / "shared" / "report.json"
+    report.parent.mkdir()
+    for pid in {os.getpid(), os.getpid() + 1}:
+        os.symlink(victim, f"{report}.tmp.{pid}")
+    assert warmup.write_report({"ok": 1}, str(report), 0) == str(report)
+    assert json.loads(report.read_text()) == {"ok": 1} and victim.read_text() == "keep"
+    assert stat.S_IMODE(report.stat().st_mode) == 0o644
+
+
+def test_4_the_manifests_mode_is_set_on_its_descriptor_not_through_a_swapped_path(tmp_path, monkeypatch):
+    """Between writing the temporary file and setting its mode, a writer of the folder swaps it for a
+    link to another file: that file's mode must not change (a chmod by path would make it 0644)."""
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    path = tmp_path / "m.json"
+    real_fsync = os.fsync
+
+    def swap_then_fsync(fd):  # the race, at the moment a path-based chmod would come next
+        for tmp in tmp_path.glob(".m.json.*.tmp"):
+            os.unlink(tmp)
+            os.symlink(victim, tmp)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", swap_then_fsync)
+    manifest_files.save(str(path), STAMP, [entry(block=32)])
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "secret"
+
+
+def test_8_merge_onto_a_symbolic_link_is_refused_and_the_link_kept(tmp_path):
+    src = write(tmp_path / "a.json", [entry(block=32)])
+    target = tmp_path / "target.json"
+    target.write_text("mine")
+    link = tmp_path / "out.json"
+    os.symlink(target, link)
+    proc = kwarm_cli("manifest", "merge", str(src), "-o", str(link))
+    assert proc.returncode != 0
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "symbolic link" in lines[0], lines
+    assert link.is_symlink() and target.read_text() == "mine"
+
+
+def test_12_a_boolean_is_no_format_version(tmp_path):
+    path = write(tmp_path / "m.json", [entry(block=32)])
+    data = json.loads(path.read_text())
+    data["version"] = True
+    path.write_text(json.dumps(data))
+    with pytest.raises(BadManifest, match="format version True"):
+        manifest_files.load(str(path))
+
+
+FULL_DISK = r'''
+import os, resource, signal, sys
+from kwarm_ext import manifest_files, warmup
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+for write in (lambda: warmup.write_report({"x": "x" * 100_000}, sys.argv[1], 0),
+              lambda: manifest_files.save(sys.argv[1] + ".manifest", manifest_files.Stamp(
+                  triton="3.6.0", arch="cuda:90"), token_counts=range(1, 9000))):
+    try:
+        write()
+    except OSError as exc:
+        print("failed", exc.errno)
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))))
+'''
+
+
+def test_12_a_write_that_fails_for_want_of_space_leaves_no_temporary_file(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(folder / "m.json")], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["failed 27", "failed 27"], proc.stdout + proc.stderr
+    assert [n for n in eval(lines[2]) if not n.endswith(".lock")] == [], lines  # the lock file is not a temporary
