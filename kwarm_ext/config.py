@@ -319,7 +319,7 @@ def _describe_budget(budget: tuple) -> str:
     return "unlimited" if kind == "unlimited" else f"{value:g}{'%' if kind == 'percent' else ' s'}"
 
 
-_MODULE_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.?$")
+_MODULE_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\.?")  # fullmatch
 
 
 def _parse_allow_modules(raw, bad) -> tuple:
@@ -327,7 +327,7 @@ def _parse_allow_modules(raw, bad) -> tuple:
     if raw is None:
         return ()
     items = [part.strip() for part in raw.split(",") if part.strip()]
-    good = tuple(item for item in items if _MODULE_PREFIX.match(item))
+    good = tuple(item for item in items if _MODULE_PREFIX.fullmatch(item))
     wrong = [item for item in items if item not in good]
     if wrong:
         bad("KWARM_ALLOW_MODULES", raw, ",".join(good) or "",

@@ -173,8 +173,8 @@ def module_allowed(module: str, prefixes) -> bool:
 
 # ---------------------------------------------------------------------------- validation
 
-_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_WORD = re.compile(r"^[a-z0-9_-]{0,32}$")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # fullmatch: "$" lets "\n" through
+_WORD = re.compile(r"[a-z0-9_-]{0,32}")
 # The only compiler options an entry may carry, each with the values it may take: replay
 # compiles with exactly these (Triton's parse_options fills in the rest for this GPU). Anything
 # else (``ptx_options``, ``ir_override``, ``extern_libs``, ...) refuses the entry.
@@ -187,11 +187,11 @@ LAUNCH_OPTIONS = {
     "enable_fp_fusion": lambda v: type(v) is bool,
     "launch_cooperative_grid": lambda v: type(v) is bool,
     "launch_pdl": lambda v: type(v) is bool,
-    "instrumentation_mode": lambda v: type(v) is str and bool(_WORD.match(v)),
+    "instrumentation_mode": lambda v: type(v) is str and bool(_WORD.fullmatch(v)),
     "waves_per_eu": lambda v: type(v) is int and 0 <= v <= 16,  # ROCm
     "matrix_instr_nonkdim": lambda v: type(v) is int and v in (0, 4, 16, 32),  # ROCm
     "kpack": lambda v: type(v) is int and v in (1, 2),  # ROCm
-    "schedule_hint": lambda v: type(v) is str and bool(_WORD.match(v)),  # ROCm
+    "schedule_hint": lambda v: type(v) is str and bool(_WORD.fullmatch(v)),  # ROCm
 }
 
 
@@ -420,7 +420,7 @@ def _opt(raw: dict, field: str, kind):
 def is_dotted_name(value: str) -> bool:
     """A dotted name without dunder parts: resolving it walks attributes, and ``__globals__``
     or ``__class__`` would lead anywhere."""
-    return bool(_DOTTED.match(value)) and not any(part.startswith("__") for part in value.split("."))
+    return bool(_DOTTED.fullmatch(value)) and not any(part.startswith("__") for part in value.split("."))
 
 
 def _dotted(raw: dict, field: str) -> str:

@@ -61,6 +61,16 @@ def show(paths: list) -> int:
     return _each_loaded(paths, one)
 
 
+LINE_LIMIT = 2000
+
+
+def _out(text: str = "") -> None:
+    """Print `text` line by line, each escaped (:func:`manifest.printable`): module names, kernel
+    names, labels and reasons come from the file, and no byte of it reaches the terminal raw."""
+    for line in str(text).split("\n"):
+        print(manifest.printable(line, LINE_LIMIT))
+
+
 def render(path: str, data) -> str:
     s, safe = data.stamp, manifest.printable
     lines = [f"{safe(path)}", f"  stamp: triton {safe(s.triton)}, {safe(s.arch)}, torch {safe(s.torch)}, "
@@ -74,7 +84,7 @@ def render(path: str, data) -> str:
         lines += [f"    {manifest.short_hash(e.key)}  {describe_entry(e)}" for e in group["entries"]]
         lines += [f"    autotune {tuple(c.key)} -> {_describe_config(c.config)}" for c in group["autotune"]]
     lines += [f"  dropped {label}: {reason}" for label, reason in data.problems]
-    return "\n".join(lines)
+    return "\n".join(manifest.printable(line, LINE_LIMIT) for line in lines)
 
 
 def describe_entry(entry: Entry) -> str:
@@ -124,9 +134,11 @@ def verify(paths: list) -> int:
             problems += _choice_problems(choice, resolver)
         total = len(data.entries) + len(data.autotune)
         usable = 0 if fatal else total - len(problems) + len(data.problems)
-        print(f"{path}: {usable} of {total} items usable here" + (f" ({fatal})" if fatal else ""))
-        print("".join(f"  note: {note}\n" for note in notes), end="")
-        print("".join(f"  {label}: {reason}\n" for label, reason in problems), end="")
+        _out(f"{path}: {usable} of {total} items usable here" + (f" ({fatal})" if fatal else ""))
+        for note in notes:
+            _out(f"  note: {note}")
+        for label, reason in problems:
+            _out(f"  {label}: {reason}")
         return 1 if fatal or problems else 0
 
     return _each_loaded(paths, one)
@@ -168,7 +180,7 @@ def _choice_problems(choice, resolver) -> list:
 
 
 def merge(paths: list, output: str) -> int:
-    inputs, refused = [], []
+    inputs, refused, dropped = [], [], []
     for path in paths:
         data, why = _load(path)
         if data is None:
@@ -177,8 +189,11 @@ def merge(paths: list, output: str) -> int:
             refused.append((path, data.stamp.incompatibility(inputs[0].stamp)))
         else:
             inputs.append(data)
+            dropped += [(path, label, reason) for label, reason in data.problems]
     for path, why in refused:
-        print(f"{path}: not merged: {why}")
+        _out(f"{path}: not merged: {why}")
+    for path, label, reason in dropped:
+        _out(f"{path}: dropped {label}: {reason}")
     if not inputs:
         print("kwarm manifest merge: no usable input")
         return 2
@@ -192,6 +207,6 @@ def merge(paths: list, output: str) -> int:
         print(f"kwarm manifest merge: cannot write {manifest.printable(output)}: {manifest.printable(why)}")
         return 2
     if result.note:
-        print(f"{output}: {result.note}")
-    print(f"merged {len(inputs)} manifests into {result.path}: {result.total} items ({result.added} new)")
+        _out(f"{output}: {result.note}")
+    _out(f"merged {len(inputs)} manifests into {result.path}: {result.total} items ({result.added} new)")
     return 1 if refused else 0

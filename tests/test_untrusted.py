@@ -204,6 +204,26 @@ def test_manifest_strings_are_escaped_in_logs_and_show(tmp_path, kwarm_log, fake
     assert "model m\\x1b[31mRED\\x0aWARNING forged" in proc.stdout
 
 
+
+def test_10_a_trailing_newline_is_no_module_name():
+    assert manifest.is_dotted_name("vllm.x") and not manifest.is_dotted_name("vllm.x\n")
+    assert config._MODULE_PREFIX.fullmatch("vllm.") and not config._MODULE_PREFIX.fullmatch("vllm.\n")
+
+
+def test_10_verify_and_merge_print_no_raw_control_character(tmp_path):
+    raw = manifest.Manifest(STAMP, [entry()]).as_json()
+    raw["entries"].append(dict(raw["entries"][0], module="vllm.x\x1b[2J", key=7))
+    raw["entries"].append(dict(raw["entries"][0], kernel="k\rWARNING kwarm: forged\x07", key=8))
+    path = tmp_path / "m\x1b[31m.json"
+    path.write_text(json.dumps(raw))
+    path.chmod(0o600)
+    for args in (["verify", str(path)], ["merge", "-o", str(tmp_path / "out.json"), str(path)]):
+        proc = kwarm_cli("manifest", *args)
+        text = proc.stdout + proc.stderr
+        assert "Traceback" not in text and text.strip(), args
+        assert not any(ch in text for ch in "\x1b\r\x07"), (args, text)
+        assert "\\x1b" in text, (args, text)  # the file name is shown, escaped
+
 # ---------------------------------------------------------------------------- 9. imports
 
 def test_only_modules_that_define_triton_kernels_are_imported(tmp_path, monkeypatch):
