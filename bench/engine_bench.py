@@ -1228,9 +1228,9 @@ def main(argv=None) -> int:
 
 def flush_kwarm_learning() -> None:
     """os._exit below skips atexit, where kwarm saves what it learned (KWARM_LEARN)."""
-    if "kwarm_ext.learn" in sys.modules:
+    if "kwarm_ext.surfaces.triton.learn" in sys.modules:
         try:
-            sys.modules["kwarm_ext.learn"].flush()
+            sys.modules["kwarm_ext.surfaces.triton.learn"].flush()
         except Exception as exc:  # the result is written already; say why the manifest may lag
             print(f"engine_bench: kwarm's manifest flush failed: {exc!r}", file=sys.stderr)
 

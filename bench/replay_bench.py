@@ -21,7 +21,8 @@ import time
 
 
 def one(path: str, threads: int) -> dict:
-    from kwarm_ext import config, manifest_files, replay
+    from kwarm_ext import config, manifest_files
+    from kwarm_ext.surfaces.triton import replay
 
     stamp = manifest_files.load(path).stamp  # the same host: validate against the recording's stamp
     state = replay.prepare(path, stamp, config.get().allowed_modules)

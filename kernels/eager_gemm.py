@@ -209,7 +209,7 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
 
 def learned_token_counts(view) -> list:
     """Token counts this deployment's earlier runs stepped at (learn-and-replay's manifest)."""
-    from kwarm_ext import learn
+    from kwarm_ext.surfaces.triton import learn
 
     try:
         return learn.learned_token_counts(view)

@@ -79,7 +79,7 @@ import math
 import sys
 import time
 
-from kwarm_ext import triton_compile
+from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, one_process
 from kwarm_ext.vllm_compat import Missing, bind, resolve

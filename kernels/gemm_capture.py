@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
-from kwarm_ext import budget, config, triton_compile
+from kwarm_ext import budget, config
+from kwarm_ext.surfaces.triton import compile as triton_compile
 
 CAPTURE_THREADS = 8  # at most this many threads capture one pass
 PROBLEMS_PER_THREAD = 64  # at least this many problems per capture thread

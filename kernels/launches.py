@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
-from kwarm_ext import triton_compile
-from kwarm_ext.triton_compat import int_class, param_mode
+from kwarm_ext.surfaces.triton import compile as triton_compile
+from kwarm_ext.surfaces.triton.compat import int_class, param_mode
 
 
 @contextlib.contextmanager

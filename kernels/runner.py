@@ -77,7 +77,7 @@ from kwarm_ext import upstream
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import INT_CLASSES, classes_for, partition, split_steps
-from kwarm_ext.triton_compat import param_mode
+from kwarm_ext.surfaces.triton.compat import param_mode
 from kwarm_ext.vllm_compat import Missing, bind, params, resolve, resolve_or_none
 
 logger = logging.getLogger("kwarm")

@@ -128,7 +128,7 @@ def logprob_counts(max_logprobs: int | None) -> list:
     """One count of logprobs (0 = the sampled token's only) per key class of 1 + count:
     next power of two, ``==1`` and ``%16``, up to `max_logprobs` (-1, all of the vocabulary:
     up to vLLM's 1024-wide block cap)."""
-    from kwarm_ext.triton_compat import int_class
+    from kwarm_ext.surfaces.triton.compat import int_class
 
     top = DEFAULT_MAX_LOGPROBS if max_logprobs is None else (1024 if max_logprobs < 0 else max_logprobs)
     seen, counts = set(), []

@@ -4,7 +4,7 @@ warmup families."""
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.triton_compat import int_class
+from kwarm_ext.surfaces.triton.compat import int_class
 
 # One value per Triton integer specialization class: ==1, "other", %16==0.
 INT_CLASSES = (1, 2, 16)

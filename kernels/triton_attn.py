@@ -52,7 +52,7 @@ import functools
 import sys
 import time
 
-from kwarm_ext import triton_compile
+from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, common_metadata,
@@ -60,7 +60,7 @@ from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bou
                                                 model_dtype)
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
-from kwarm_ext.triton_compat import int_class, param_mode
+from kwarm_ext.surfaces.triton.compat import int_class, param_mode
 from kwarm_ext.vllm_compat import Missing, resolve
 
 NAME = "triton_attn"

@@ -151,6 +151,7 @@ def collect() -> dict:
         "config": settings.as_dict(), "config_problems": list(settings.problems),
         "manifests": manifests(settings),
         "flashinfer": flashinfer_jit(),
+        "surfaces": jit_surfaces(),
     }
     if vllm:
         try:
@@ -160,6 +161,16 @@ def collect() -> dict:
         except Exception as exc:
             report["upstream_warmups"] = {"error": f"{type(exc).__name__}: {exc}"}
     return report
+
+
+def jit_surfaces() -> dict:
+    """The JIT surfaces kwarm counts, learns and replays (kwarm_ext/surfaces/), each with its
+    library's installed version (None: not installed, nothing of it to learn)."""
+    from kwarm_ext import surfaces
+
+    dists = {"triton": "triton", "flashinfer": "flashinfer-python"}
+    return {name: {"label": surfaces.get(name).label, "version": _version(dists.get(name, name))}
+            for name in surfaces.NAMES}
 
 
 def flashinfer_jit(env=None) -> dict:
@@ -252,6 +263,9 @@ def render(r: dict) -> str:
     if fi:
         lines += ["", f"FlashInfer: {fi.get('version') or 'not installed'}: " + (
             f"builds its JIT modules with {fi['nvcc']} and {fi['ninja']}" if fi.get("can_build") else fi.get("why", ""))]
+    lines += ["", "JIT surfaces (counted, learned with KWARM_LEARN, replayed at the next start):"]
+    for name, surface in (r.get("surfaces") or {}).items():
+        lines.append(f"  {name:11s} {surface['label']}: " + (surface["version"] or "not installed, nothing to learn"))
     lines += ["", "attention backends (what a request runs, and what warms it):"]
     for name, b in r.get("attention_backends", {}).items():
         lines.append(f"  {name:21s} {b['runs']}: {b['warmed_by']}")

@@ -28,7 +28,7 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
 
 ``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
-kwarm_ext/replay.py rather than under ``kernels/``. ``frontend`` (kwarm_ext/frontend.py) runs in
+kwarm_ext/surfaces/triton/replay.py rather than under ``kernels/``. ``frontend`` (kwarm_ext/frontend.py) runs in
 vLLM's front-end process, not in the worker: it is not in the table, but ``KWARM_WARMUPS``
 selects it by name like the others (:func:`selectable`).
 
@@ -90,7 +90,7 @@ FAMILIES = {
                "0.20-0.33); before 0.33 it skips weights whose N is not a multiple of 128, and every "
                "release skips grouped layouts between its counts; kwarm compiles all of them in "
                "parallel first", ahead=True, before_load=True),
-        Family("replay", "kwarm_ext.replay",
+        Family("replay", "kwarm_ext.surfaces.triton.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",
                "none: it replays what this deployment still compiled after every other warmup"),

@@ -1,8 +1,9 @@
 """The learn-and-replay manifest: one JSON file per model deployment.
 
 A manifest lists the Triton compilations that earlier runs of a deployment made after
-kwarm's warmup (kernel identity, in-memory cache key, launch options, specialization) and
-the autotuners' choices, stamped with what makes those keys valid: the Triton, torch and
+kwarm's warmup (kernel identity, in-memory cache key, launch options, specialization),
+the autotuners' choices and the other JIT surfaces' builds (``surfaces``: FlashInfer's modules,
+kwarm_ext/surfaces/), stamped with what makes those keys valid: the Triton, torch and
 vLLM versions, the GPU architecture and the TP size. It is written by every TP rank of
 every run that learns, so writes are merge-and-deduplicate under an ``fcntl`` lock, and
 atomic (a temporary file, then ``os.replace``).
@@ -11,7 +12,7 @@ A manifest is untrusted input: it names modules that replay imports and options 
 the compiler. So: JSON only; a file must be a regular file owned by this user and writable by
 no one else; every field is type-checked, and a bad entry is dropped with its reason while
 the rest stays usable. Module allow-listing and source checks happen at replay
-(kwarm_ext/replay.py). This module is the schema and the parser of untrusted text; reading,
+(kwarm_ext/surfaces/triton/replay.py). This module is the schema and the parser of untrusted text; reading,
 locking and writing files is ``kwarm_ext.manifest_files``. It imports neither Triton nor torch.
 """
 from __future__ import annotations
@@ -122,15 +123,19 @@ class Manifest:
     autotune: list = dataclasses.field(default_factory=list)  # [TuneChoice]
     problems: list = dataclasses.field(default_factory=list)  # (label, reason) of dropped items
     token_counts: list = dataclasses.field(default_factory=list)  # step sizes seen, first seen first
+    # the other JIT surfaces' items (kwarm_ext/surfaces/): name -> {"version": str | None, "items": [dict]}
+    surfaces: dict = dataclasses.field(default_factory=dict)
 
-    def merge(self, entries=(), autotune=(), token_counts=()) -> int:
+    def merge(self, entries=(), autotune=(), token_counts=(), surfaces=None) -> int:
         """Add what is new (by identity; a key's first recorded choice wins; at most
-        MAX_TOKEN_COUNTS step sizes, the first seen kept). Returns how many."""
+        MAX_TOKEN_COUNTS step sizes, the first seen kept; a surface's items by its key, those of
+        another library version replaced). Returns how many."""
+        added = self._merge_surfaces(surfaces or {})
         known = set(self.token_counts)
         fresh = [m for m in dict.fromkeys(token_counts) if m not in known]
         fresh = fresh[:max(0, MAX_TOKEN_COUNTS - len(self.token_counts))]
         self.token_counts += fresh
-        added = len(fresh)
+        added += len(fresh)
         for mine, theirs in ((self.entries, entries), (self.autotune, autotune)):
             seen = {item.identity for item in mine}
             for item in theirs:
@@ -140,12 +145,39 @@ class Manifest:
                     added += 1
         return added
 
+    def _merge_surfaces(self, surfaces: dict) -> int:
+        from kwarm_ext import surfaces as registry
+
+        added = 0
+        for name, (version, items) in surfaces.items():
+            section = self.surfaces.get(name)
+            if section is None or section["version"] != version:
+                section = self.surfaces[name] = {"version": version, "items": []}
+            key = registry.get(name).key
+            seen = {key(item) for item in section["items"]}
+            for item in items:
+                if key(item) not in seen and len(section["items"]) < registry.MAX_ITEMS:
+                    section["items"].append(item)
+                    seen.add(key(item))
+                    added += 1
+        return added
+
     def as_json(self) -> dict:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "stamp": dataclasses.asdict(self.stamp),
-                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "entries": [e.as_json() for e in sorted(self.entries, key=lambda e: e.identity)],
-                "autotune": [c.as_json() for c in sorted(self.autotune, key=lambda c: c.identity)],
-                "token_counts": sorted(self.token_counts)}
+        from kwarm_ext import surfaces as registry
+
+        out = {"format": FORMAT, "version": FORMAT_VERSION, "stamp": dataclasses.asdict(self.stamp),
+               "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "entries": [e.as_json() for e in sorted(self.entries, key=lambda e: e.identity)],
+               "autotune": [c.as_json() for c in sorted(self.autotune, key=lambda c: c.identity)],
+               "token_counts": sorted(self.token_counts)}
+        if any(section["items"] for section in self.surfaces.values()):
+            out["surfaces"] = {name: {"version": section["version"],
+                                      "items": sorted(section["items"], key=registry.get(name).key)}
+                               for name, section in sorted(self.surfaces.items()) if section["items"]}
+        return out
+
+    def surface_items(self) -> int:
+        return sum(len(section["items"]) for section in self.surfaces.values())
 
     def kernels(self) -> dict:
         """``module:qualname`` -> {"entries": [...], "autotune": [...]}, for listings."""
@@ -247,7 +279,39 @@ def parse(text: str) -> Manifest:
                 manifest.problems.append((_raw_label(raw), f"malformed: {printable(exc)}"))
         manifest.merge(**{field: good})
     manifest.merge(token_counts=_token_counts(data.get("token_counts", []), manifest.problems))
+    manifest.merge(surfaces=_surfaces(data.get("surfaces", {}), manifest.problems))
     return manifest
+
+
+def _surfaces(raw, problems: list) -> dict:
+    """The other surfaces' sections: name -> (version, items); a section or an item that does
+    not parse is one problem line."""
+    from kwarm_ext import surfaces as registry
+
+    if not isinstance(raw, dict):
+        problems.append(("surfaces", "malformed: not an object"))
+        return {}
+    names = {s.name: s for s in registry.with_sections()}
+    out = {}
+    for name, section in raw.items():
+        label = f"surface {printable(name, 40)}"
+        if name not in names:
+            problems.append((label, "not a surface this kwarm knows: ignored"))
+            continue
+        if not isinstance(section, dict) or not isinstance(section.get("items"), list) or \
+                not (section.get("version") is None or (type(section["version"]) is str and len(section["version"]) <= 100)):
+            problems.append((label, "malformed: not {\"version\": string, \"items\": [...]}"))
+            continue
+        items, raw_items = [], section["items"]
+        if len(raw_items) > registry.MAX_ITEMS:
+            problems.append((label, f"malformed: {len(raw_items) - registry.MAX_ITEMS} items past the first {registry.MAX_ITEMS} dropped"))
+        for i, item in enumerate(raw_items[:registry.MAX_ITEMS]):
+            try:
+                items.append(names[name].parse_item(item))
+            except (TypeError, ValueError, KeyError, RecursionError) as exc:
+                problems.append((f"{name} item {i}", f"malformed: {printable(exc)}"))
+        out[name] = (section["version"], items)
+    return out
 
 
 def _token_counts(raw, problems: list) -> list:
@@ -282,7 +346,7 @@ def _entry(raw) -> Entry:
     options = raw.get("launch_options")
     if not isinstance(options, dict) or not all(isinstance(k, str) and _option_value(v) for k, v in options.items()):
         raise TypeError("launch_options is not an object of JSON scalars")
-    from kwarm_ext.triton_compat import read_key
+    from kwarm_ext.surfaces.triton.compat import read_key
 
     specialization, key_options = read_key(key)
     if json.loads(json.dumps(key_options)) != options:

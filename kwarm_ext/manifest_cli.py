@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from kwarm_ext import manifest, manifest_files
+from kwarm_ext import manifest, manifest_files, surfaces
 from kwarm_ext.manifest import BadManifest, Entry
 
 QUIET_OPTIONS = {"debug": False, "instrumentation_mode": ""}  # the defaults every key carries
@@ -83,6 +83,10 @@ def render(path: str, data) -> str:
                      + (f", {len(group['autotune'])} autotune choices" if group["autotune"] else ""))
         lines += [f"    {manifest.short_hash(e.key)}  {describe_entry(e)}" for e in group["entries"]]
         lines += [f"    autotune {tuple(c.key)} -> {_describe_config(c.config)}" for c in group["autotune"]]
+    for name, section in sorted(data.surfaces.items()):
+        surface = surfaces.get(name)
+        lines.append(f"  {surface.label} (version {safe(section['version'])}): {len(section['items'])}")
+        lines += [f"    {surface.describe(item)}" for item in section["items"]]
     lines += [f"  dropped {label}: {reason}" for label, reason in data.problems]
     return "\n".join(manifest.printable(line, LINE_LIMIT) for line in lines)
 
@@ -120,7 +124,8 @@ def _describe_config(config: dict) -> str:
 
 
 def verify(paths: list) -> int:
-    from kwarm_ext import config, replay
+    from kwarm_ext import config
+    from kwarm_ext.surfaces.triton import replay
 
     current = manifest_files.current_stamp()  # None without a GPU driver
 
@@ -132,7 +137,8 @@ def verify(paths: list) -> int:
             problems += _entry_problems(entry, resolver)
         for choice in data.autotune:
             problems += _choice_problems(choice, resolver)
-        total = len(data.entries) + len(data.autotune)
+        problems += _surface_problems(data)
+        total = len(data.entries) + len(data.autotune) + data.surface_items()
         usable = 0 if fatal else total - len(problems) + len(data.problems)
         _out(f"{path}: {usable} of {total} items usable here" + (f" ({fatal})" if fatal else ""))
         for note in notes:
@@ -144,9 +150,21 @@ def verify(paths: list) -> int:
     return _each_loaded(paths, one)
 
 
+def _surface_problems(data) -> list:
+    """The other surfaces' items recorded with another version of their library than this one's."""
+    out = []
+    for name, section in data.surfaces.items():
+        surface = surfaces.get(name)
+        here = surface.version()
+        if section["version"] != here:
+            why = f"recorded with {name} {section['version']}, this is {here or f'no {name}'}"
+            out += [(surface.describe(item), why) for item in section["items"]]
+    return out
+
+
 def _stamp_check(stamp, current) -> tuple:
     """(why the manifest cannot be used here or None, informational notes)."""
-    from kwarm_ext import triton_compat
+    from kwarm_ext.surfaces.triton import compat as triton_compat
 
     if current is not None:
         return stamp.incompatibility(current), [f"recorded with {d}" for d in stamp.differences(current)]
@@ -156,7 +174,8 @@ def _stamp_check(stamp, current) -> tuple:
 
 
 def _entry_problems(entry, resolver) -> list:
-    from kwarm_ext import replay, triton_preload
+    from kwarm_ext.surfaces.triton import replay
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     kernel, why = replay.check_entry(entry, resolver)
     if why:
@@ -170,13 +189,18 @@ def _entry_problems(entry, resolver) -> list:
 
 
 def _choice_problems(choice, resolver) -> list:
-    from kwarm_ext import replay, triton_compat
+    from kwarm_ext.surfaces.triton import replay
+    from kwarm_ext.surfaces.triton import compat as triton_compat
 
     kernel, why = replay.check_kernel(choice, resolver)
     if why:
         return [(choice.label, why[1])]
     _, why = triton_compat.find_config(kernel, choice.config)
     return [(choice.label, why)] if why else []
+
+
+def _sections(data) -> dict:
+    return {name: (section["version"], section["items"]) for name, section in data.surfaces.items()}
 
 
 def merge(paths: list, output: str) -> int:
@@ -197,11 +221,12 @@ def merge(paths: list, output: str) -> int:
     if not inputs:
         print("kwarm manifest merge: no usable input")
         return 2
-    entries = [e for data in inputs for e in data.entries]
-    choices = [c for data in inputs for c in data.autotune]
-    counts = [m for data in inputs for m in data.token_counts]
+    combined = manifest.Manifest(inputs[0].stamp)
+    for data in inputs:  # in order: a surface's items of another library version replace earlier ones
+        combined.merge(data.entries, data.autotune, data.token_counts, _sections(data))
     try:
-        result = manifest_files.save(output, inputs[0].stamp, entries, choices, counts)
+        result = manifest_files.save(output, combined.stamp, combined.entries, combined.autotune,
+                                     combined.token_counts, _sections(combined))
     except (BadManifest, OSError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"kwarm manifest merge: cannot write {manifest.printable(output)}: {manifest.printable(why)}")

@@ -104,8 +104,9 @@ class SaveResult:
     note: str | None = None  # why an existing file was replaced rather than merged
 
 
-def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> SaveResult:
-    """Merge `entries`/`autotune` into the manifest at `path`, under a lock, atomically.
+def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surfaces=None) -> SaveResult:
+    """Merge `entries`/`autotune` (and `surfaces`: name -> (version, items)) into the manifest at
+    `path`, under a lock, atomically.
 
     Several TP ranks and processes may call this at once: the read-merge-write runs under an
     exclusive ``flock`` on ``<path>.lock``, and readers only ever see a complete file. An
@@ -118,10 +119,10 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=()) -> S
         check_writable_target(path)
         _remove_stale_temporaries(path)
         current, note = _existing(path, stamp)
-        added = current.merge(entries, autotune, token_counts)
+        added = current.merge(entries, autotune, token_counts, surfaces)
         if added or note or not os.path.exists(path):
             _write_atomic(path, current.as_json())
-    return SaveResult(path, added, len(current.entries) + len(current.autotune), note)
+    return SaveResult(path, added, len(current.entries) + len(current.autotune) + current.surface_items(), note)
 
 
 def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
@@ -251,7 +252,7 @@ def current_stamp(model: str | None = None, tp_size: int | None = None) -> Stamp
     """This process's stamp; None without Triton or without an active driver (no target)."""
     import importlib.metadata as md
 
-    from kwarm_ext import triton_compat
+    from kwarm_ext.surfaces.triton import compat as triton_compat
 
     def version(dist):
         try:

@@ -1,176 +1,60 @@
-"""kwarm's one Triton ``jit_post_compile_hook``, serving both counting and recording.
+"""kwarm's one monitor: what still compiles or builds, on every JIT surface.
 
-Triton has a single hook slot, not a chain; vLLM's JIT monitor (installed after warmup)
-saves whatever hook it finds and calls it, and others may assign the slot outright. kwarm
-installs one hook, chained to whatever was there before, and fans each compilation out to
-its listeners: :func:`capture` counts what a warmup step compiles, and the learn-and-replay
-recorder (kwarm_ext/learn.py) listens for as long as the process learns. The hook is
-installed while it has listeners and removed when the last one leaves, if it still holds the
-slot (if another hook chained on top of it, it stays as a pass-through).
-
-Listeners never break a launch: their exceptions are swallowed. The chained hook's are not
-(vLLM's ``--jit-monitor-mode=error`` must still raise). On a machine without Triton, or with
-``TRITON_INTERPRET=1`` (nothing compiles), nothing is recorded and ``available`` says so.
+Each surface (kwarm_ext/surfaces/) says how its builds are watched; :func:`capture` watches all
+of them for the length of a block (a warmup step, a replay) and yields one list of
+:class:`Compiled` events, whatever the surface. The learner (kwarm_ext/surfaces/triton/learn.py)
+watches the same way from the end of kwarm's warmup.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
-from typing import Callable
 
-Listener = Callable[[dict], None]  # receives the hook's keyword arguments
+logger = logging.getLogger("kwarm")
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    """One in-memory compilation: kernel identity and Triton's cache key."""
+    """One build: the module that asked for it, what was built, and the surface's key for it."""
 
     module: str
     name: str
     key: str
+    surface: str = "triton"
+    payload: object = dataclasses.field(default=None, compare=False, repr=False)  # the surface's own detail
 
     @property
     def kernel(self) -> str:
         return self.name.rsplit(".", 1)[-1]
 
 
-@dataclasses.dataclass
-class _HookState:
-    installed: bool = False
-    prev: Callable | None = None  # the hook found in the slot when kwarm installed its own
-
-
-_listeners: list[Listener] = []
-_lock = threading.RLock()
-_state = _HookState()
-_inside = threading.local()
-
-
-def _hook(**kwargs):
-    """Notify the listeners, then the previous hook. A chain that loops back here (someone
-    chained kwarm, then kwarm re-installed on top of them) returns at once."""
-    if getattr(_inside, "active", False):
-        return None
-    _inside.active = True
-    try:
-        for listener in list(_listeners):
-            try:
-                listener(kwargs)
-            except Exception:
-                pass  # a counter or recorder must never break a launch
-        prev = _state.prev
-        return prev(**kwargs) if prev is not None else None
-    finally:
-        _inside.active = False
-
-
-def available() -> bool:
-    try:
-        from triton import knobs  # noqa: F401
-    except Exception:
-        return False
-    from kwarm_ext.triton_compat import interpreted
-
-    return not interpreted()
-
-
-def listen(listener: Listener) -> bool:
-    """Add `listener` and make sure kwarm's hook is reachable from the slot. False without Triton."""
-    knobs = _knobs()
-    with _lock:
-        if knobs is not None:
-            _ensure_installed(knobs)
-        _listeners.append(listener)
-    return knobs is not None
-
-
-def unlisten(listener: Listener) -> None:
-    knobs = _knobs()
-    with _lock:
-        with contextlib.suppress(ValueError):
-            _listeners.remove(listener)
-        if knobs is not None and not _listeners and knobs.runtime.jit_post_compile_hook is _hook:
-            knobs.runtime.jit_post_compile_hook = _state.prev
-            _state.prev, _state.installed = None, False
-
-
-def ensure() -> bool:
-    """Re-install kwarm's hook if a hook assigned since then dropped it (one that chains it
-    is fine). Returns whether it had to. The learner calls this at each periodic save."""
-    knobs = _knobs()
-    with _lock:
-        if knobs is None or not _listeners or (_state.installed and
-                                                _reaches_us(knobs.runtime.jit_post_compile_hook)):
-            return False
-        _ensure_installed(knobs)
-        return True
-
-
-def is_installed() -> bool:
-    """Whether the slot holds kwarm's hook, or a hook that chains to it."""
-    knobs = _knobs()
-    return knobs is not None and _state.installed and _reaches_us(knobs.runtime.jit_post_compile_hook)
-
-
 @contextlib.contextmanager
-def capture():
-    """Yield a list that fills with the :class:`Compiled` events of the block."""
-    events: list[Compiled] = []
-    events_lock = threading.Lock()
+def capture(surfaces=None):
+    """Yield a list that fills with the :class:`Compiled` events of the block, of every surface
+    that can be watched here (or of `surfaces`)."""
+    from kwarm_ext import surfaces as registry
 
-    def count(kwargs):
-        fn = kwargs.get("fn")
-        event = Compiled(str(getattr(fn, "module", "?")), str(getattr(fn, "name", "?")), str(kwargs.get("key")))
-        with events_lock:
+    events: list[Compiled] = []
+    lock = threading.Lock()
+
+    def on_built(event: Compiled) -> None:
+        with lock:
             events.append(event)
 
-    listen(count)
+    stops = []
+    for surface in surfaces if surfaces is not None else registry.every():
+        try:
+            stop = surface.watch(on_built)
+        except Exception as exc:  # a surface that cannot be watched counts nothing; the rest still do
+            logger.debug("kwarm: cannot watch %s: %s", surface.label, exc)
+            stop = None
+        if stop is not None:
+            stops.append(stop)
     try:
         yield events
     finally:
-        unlisten(count)
-
-
-def _knobs():
-    try:
-        from triton import knobs
-
-        return knobs
-    except Exception:
-        return None
-
-
-def _ensure_installed(knobs) -> None:
-    """Install (or re-install on top of a hook that replaced kwarm's without chaining it)."""
-    current = knobs.runtime.jit_post_compile_hook
-    if current is _hook or (_state.installed and _reaches_us(current)):
-        return
-    from triton.runtime import jit
-
-    from kwarm_ext.triton_compat import SERIALIZER
-
-    SERIALIZER.apply(jit)  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
-    _state.prev, _state.installed = current, True
-    knobs.runtime.jit_post_compile_hook = _hook
-
-
-def _reaches_us(hook, depth: int = 3) -> bool:
-    """Whether `hook` is kwarm's or calls it: vLLM's monitor keeps the previous hook in a
-    closure cell; wrappers keep it in ``__wrapped__`` or a partial's ``func``."""
-    if hook is _hook:
-        return True
-    if hook is None or depth == 0:
-        return False
-    inner = [getattr(hook, "__wrapped__", None), getattr(hook, "func", None)]
-    inner += [cell.cell_contents for cell in (getattr(hook, "__closure__", None) or ())
-              if _cell_filled(cell)]
-    return any(callable(obj) and _reaches_us(obj, depth - 1) for obj in inner)
-
-
-def _cell_filled(cell) -> bool:
-    try:
-        cell.cell_contents
-        return True
-    except ValueError:
-        return False
+        for stop in stops:
+            with contextlib.suppress(Exception):
+                stop()

@@ -14,7 +14,9 @@ before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_input_processor_init`) and ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
 (deep_gemm's early start, documented at :func:`_wrap_create_engine_config`), and
 ``vllm.v1.structured_output.StructuredOutputManager.__init__`` and ``.grammar_init`` (xgrammar's
-backend built at start, documented at :func:`_wrap_structured_output_init`).
+backend built at start, documented at :func:`_wrap_structured_output_init`). FlashInfer's:
+``flashinfer.jit.core.JitSpec.build_and_load`` (each JIT module built or loaded, for the monitor and
+the learner: defined and documented beside its surface, kwarm_ext/surfaces/flashinfer.py).
 
 Why: vLLM compiles Triton kernels lazily, on the first request that hits each
 specialization. ``Worker.compile_or_warm_up_model`` calls ``kernel_warmup(self)``
@@ -47,7 +49,8 @@ import logging
 
 from kwarm_ext.log import fail_open
 from kwarm_ext.patching import Patch
-from kwarm_ext.triton_compat import SERIALIZER
+from kwarm_ext.surfaces.flashinfer import FLASHINFER_BUILD
+from kwarm_ext.surfaces.triton.compat import SERIALIZER
 
 logger = logging.getLogger("kwarm")
 
@@ -372,4 +375,5 @@ STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_struc
 GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.33",
                      "the backend kwarm built is not used", owner="StructuredOutputManager")
 PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE,
-           INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT)
+           INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT,
+           FLASHINFER_BUILD)

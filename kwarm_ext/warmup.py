@@ -315,7 +315,8 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         for step in steps:
             current[0] = step.name
             result.steps.append(_run_step(name, step))
-    result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key} for c in compiled]
+    result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key}
+                       | ({"surface": c.surface} if c.surface != "triton" else {}) for c in compiled]
     labels = [label for step, record in zip(steps, result.steps)
               if step.summary and record["status"] == "ran" for label in record["variants"]]
     if labels:
@@ -366,7 +367,7 @@ def _start_learning(view):
     if view is None:
         logger.warning("kwarm: learning is off in this worker: no engine view")
         return None
-    from kwarm_ext import learn
+    from kwarm_ext.surfaces.triton import learn
 
     try:
         return guarded("learning", lambda: learn.begin(view))

@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from kwarm_ext import budget, config, learn, manifest, manifest_files
+from kwarm_ext import budget, config, manifest, manifest_files
+from kwarm_ext.surfaces.triton import learn
 from kwarm_ext.manifest import Stamp
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from triton.runtime.jit import KernelInterface
 
-from kwarm_ext import triton_compat, triton_compile
+from kwarm_ext.surfaces.triton import compat as triton_compat
+from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.kernels import fused_moe
 
 

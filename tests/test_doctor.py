@@ -95,6 +95,10 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     for backend in ("FLASH_ATTN", "FLASHMLA"):  # issue 20: backends without run-time compiles say so
         assert r["attention_backends"][backend]["warmed_by"] == "nothing compiles at run time: nothing to warm"
     assert "  TRITON_ATTN           Triton: kernel_unified_attention (2D/3D), reduce_segments: triton_attn" in text
+    from importlib.metadata import version
+
+    assert r["surfaces"]["flashinfer"] == {"label": "FlashInfer JIT modules", "version": version("flashinfer-python")}
+    assert f"  flashinfer  FlashInfer JIT modules: {version('flashinfer-python')}" in text
 
 
 def test_every_family_says_what_upstream_covers_and_what_kwarm_adds():

@@ -73,7 +73,7 @@ def test_a_thread_that_fails_leaves_the_pass_to_one_thread_with_a_note(kwarm_env
 
 
 def test_capture_threads_share_the_ranks_cores_and_the_free_memory_on_cuda_only(monkeypatch):
-    from kwarm_ext import triton_compile
+    from kwarm_ext.surfaces.triton import compile as triton_compile
     from kwarm_ext.kernels import gemm_capture
 
     threads = gemm_capture.capture_threads

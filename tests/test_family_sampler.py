@@ -22,7 +22,7 @@ for mod in list(sys.modules.values()):  # no pinned memory without a driver
         mod.PIN_MEMORY = False
 from kwarm_ext.engine import EngineView
 from kwarm_ext.kernels import sampler as fam
-from kwarm_ext.triton_compat import int_class
+from kwarm_ext.surfaces.triton.compat import int_class
 from vllm.v1.worker.gpu.sample import logprob
 from vllm.v1.worker.gpu import input_batch as ib
 

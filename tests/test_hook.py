@@ -331,7 +331,8 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
         "vllm.v1.worker.gpu_worker.Worker.load_model", "vllm.model_executor.model_loader.base_loader.initialize_model",
         "vllm.v1.engine.input_processor.InputProcessor.__init__", "vllm.engine.arg_utils.EngineArgs.create_engine_config",
         "vllm.v1.structured_output.StructuredOutputManager.__init__",
-        "vllm.v1.structured_output.StructuredOutputManager.grammar_init"}
+        "vllm.v1.structured_output.StructuredOutputManager.grammar_init",
+        "flashinfer.jit.core.JitSpec.build_and_load"}
 
 
 SERVING_THREADS = """

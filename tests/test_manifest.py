@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env, run_py
-from kwarm_ext import config, learn, manifest, manifest_files, replay
+from kwarm_ext import config, manifest, manifest_files
+from kwarm_ext.surfaces.triton import learn
+from kwarm_ext.surfaces.triton import replay
 from kwarm_ext.manifest import BadManifest, Entry, Stamp, TuneChoice
 
 triton = pytest.importorskip("triton")

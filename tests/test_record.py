@@ -16,7 +16,8 @@ import pytest
 from conftest import clean_env, run_py
 
 knobs = pytest.importorskip("triton.knobs")
-from kwarm_ext import learn, monitor  # noqa: E402
+from kwarm_ext.surfaces.triton import learn
+from kwarm_ext.surfaces.triton import hook
 
 TESTS = Path(__file__).resolve().parent
 
@@ -39,10 +40,10 @@ def slot():
     saved = knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = None
     yield knobs.runtime
-    for listener in list(monitor._listeners):
-        monitor.unlisten(listener)
+    for listener in list(hook._listeners):
+        hook.unlisten(listener)
     knobs.runtime.jit_post_compile_hook = saved
-    monitor._state.prev, monitor._state.installed = None, False
+    hook._state.prev, hook._state.installed = None, False
 
 
 def fire(runtime, name="k"):
@@ -54,22 +55,22 @@ def fire(runtime, name="k"):
 def test_hook_chains_the_hook_that_was_there_before(slot):
     calls = []
     slot.jit_post_compile_hook = lambda **kw: calls.append(("before", kw["key"])) or "prev-result"
-    with monitor.capture() as events:
+    with hook.capture() as events:
         assert fire(slot) == "prev-result"
     assert [e.key for e in events] == ["key-k"] and calls == [("before", "key-k")]
-    assert slot.jit_post_compile_hook is not monitor._hook  # removed, the earlier hook restored
+    assert slot.jit_post_compile_hook is not hook._hook  # removed, the earlier hook restored
     assert fire(slot) == "prev-result"
 
 
 def test_counting_and_recording_share_one_hook(slot):
     recorded = []
-    monitor.listen(recorded.append)
-    with monitor.capture() as events:
-        assert slot.jit_post_compile_hook is monitor._hook
+    hook.listen(recorded.append)
+    with hook.capture() as events:
+        assert slot.jit_post_compile_hook is hook._hook
         fire(slot)
     assert len(events) == 1 and len(recorded) == 1  # one call reached both listeners
-    assert slot.jit_post_compile_hook is monitor._hook  # the recorder keeps it installed
-    monitor.unlisten(recorded.append)
+    assert slot.jit_post_compile_hook is hook._hook  # the recorder keeps it installed
+    hook.unlisten(recorded.append)
     assert slot.jit_post_compile_hook is None
 
 
@@ -78,30 +79,30 @@ def test_vllm_jit_monitor_chains_kwarm_and_both_see_each_compile(slot, monkeypat
     warned = []
     monkeypatch.setattr(jit_monitor, "_log_jit_compile", lambda name, kwargs: warned.append(name))
     recorded = []
-    monitor.listen(recorded.append)
+    hook.listen(recorded.append)
     jit_monitor._setup_triton_jit_hook()  # what vLLM does after warmup: save the slot, chain it
-    assert slot.jit_post_compile_hook is not monitor._hook and monitor.is_installed()
+    assert slot.jit_post_compile_hook is not hook._hook and hook.is_installed()
     fire(slot, "late")
     assert warned == ["late"] and len(recorded) == 1
-    monitor.listen(recorded.append)  # a second listener does not stack a second kwarm hook
+    hook.listen(recorded.append)  # a second listener does not stack a second kwarm hook
     fire(slot, "later")
     assert warned == ["late", "later"] and len(recorded) == 3
-    monitor.unlisten(recorded.append)
-    monitor.unlisten(recorded.append)
+    hook.unlisten(recorded.append)
+    hook.unlisten(recorded.append)
     fire(slot, "off")  # vLLM's hook still calls kwarm's, which now only passes through
     assert warned[-1] == "off" and len(recorded) == 3
 
 
 def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
     recorded, other = [], []
-    monitor.listen(recorded.append)
+    hook.listen(recorded.append)
     slot.jit_post_compile_hook = lambda **kw: other.append(kw["key"])  # assigned outright
-    assert not monitor.is_installed()
-    assert monitor.ensure() is True and monitor.is_installed()  # the learner's periodic check
-    assert monitor.ensure() is False
+    assert not hook.is_installed()
+    assert hook.ensure() is True and hook.is_installed()  # the learner's periodic check
+    assert hook.ensure() is False
     slot.jit_post_compile_hook = lambda **kw: other.append(kw["key"])
-    with monitor.capture() as events:
-        assert monitor.is_installed()
+    with hook.capture() as events:
+        assert hook.is_installed()
         fire(slot)
     assert other == ["key-k"] and len(recorded) == 1 and len(events) == 1
 
@@ -109,7 +110,7 @@ def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
 def test_a_chain_that_loops_back_is_called_once(slot):
     """A hook that chains kwarm's through a global (undetectable) and is then chained by kwarm."""
     calls = []
-    monitor.listen(calls.append)
+    hook.listen(calls.append)
     saved = {"prev": slot.jit_post_compile_hook}
 
     def looping(**kw):
@@ -117,7 +118,7 @@ def test_a_chain_that_loops_back_is_called_once(slot):
         return saved["prev"](**kw)
 
     slot.jit_post_compile_hook = looping
-    monitor.listen(calls.append)  # kwarm re-installs on top: kwarm -> looping -> kwarm (stops)
+    hook.listen(calls.append)  # kwarm re-installs on top: kwarm -> looping -> kwarm (stops)
     fire(slot)
     assert calls.count("other") == 1 and len([c for c in calls if c != "other"]) == 2
 
@@ -126,15 +127,15 @@ def test_listener_errors_never_reach_the_launch_but_the_chained_hooks_do(slot):
     def broken(kwargs):
         raise RuntimeError("listener bug")
 
-    monitor.listen(broken)
+    hook.listen(broken)
     assert fire(slot) is None
 
     def strict(**kw):  # vLLM's --jit-monitor-mode=error must still raise
         raise RuntimeError("JIT during inference")
 
-    monitor.unlisten(broken)
+    hook.unlisten(broken)
     slot.jit_post_compile_hook = strict
-    with monitor.capture():
+    with hook.capture():
         with pytest.raises(RuntimeError, match="JIT during inference"):
             fire(slot)
 
@@ -153,8 +154,8 @@ def test_recorder_is_thread_safe(monkeypatch):
     """Compiles finalize on several threads (AsyncCompileMode) while the saver takes entries."""
     import threading
 
-    from kwarm_ext import triton_compat
-    from kwarm_ext.triton_compat import CompileRecord
+    from kwarm_ext.surfaces.triton import compat as triton_compat
+    from kwarm_ext.surfaces.triton.compat import CompileRecord
 
     monkeypatch.setattr(triton_compat, "describe_compile", lambda kw: CompileRecord(
         "vllm.x", "k", "s", kw["key"], {}, {}))
@@ -180,9 +181,9 @@ def test_recorder_is_thread_safe(monkeypatch):
 
 
 def test_learner_keeps_entries_whose_save_failed(tmp_path, kwarm_log, monkeypatch):
-    from kwarm_ext import triton_compat
+    from kwarm_ext.surfaces.triton import compat as triton_compat
     from kwarm_ext.manifest import Stamp
-    from kwarm_ext.triton_compat import CompileRecord
+    from kwarm_ext.surfaces.triton.compat import CompileRecord
 
     monkeypatch.setattr(triton_compat, "describe_compile", lambda kw: CompileRecord(
         "vllm.x", "k", "s", "[('i32', 'D')]{'debug': False}", {"debug": False},
@@ -205,7 +206,9 @@ import json, sys
 import replay_kernels as rk
 rk.install_fake_driver()
 from triton import knobs
-from kwarm_ext import learn, monitor, triton_compat
+from kwarm_ext.surfaces.triton import learn
+from kwarm_ext.surfaces.triton import hook
+from kwarm_ext.surfaces.triton import compat as triton_compat
 import triton, torch
 
 out = {"triton": triton.__version__}
@@ -220,9 +223,9 @@ if triton_compat.version_tuple() < (3, 7):
         out["stock_serializer"] = str(exc)
     knobs.runtime.jit_post_compile_hook = None
 recorder = learn.Recorder(("vllm.", "kwarm_ext.", "replay_kernels"))
-monitor.listen(recorder.on_compile)
+hook.listen(recorder.on_compile)
 vllm_only = learn.Recorder(("vllm.",))  # the default allow-list: the test module is foreign
-monitor.listen(vllm_only.on_compile)
+hook.listen(vllm_only.on_compile)
 rk.choose_autotune_configs()
 rk.launch_all()
 out["vllm_only"] = vllm_only.recorded

@@ -29,7 +29,10 @@ PRELUDE = """
 import json, os, sys, types
 import replay_kernels as rk
 rk.install_fake_driver()
-from kwarm_ext import monitor, triton_compat, triton_preload, warmup
+from kwarm_ext import warmup
+from kwarm_ext.surfaces.triton import hook
+from kwarm_ext.surfaces.triton import compat as triton_compat
+from kwarm_ext.surfaces.triton import preload as triton_preload
 
 def stand_in_worker():
     ns = types.SimpleNamespace
@@ -46,7 +49,7 @@ def replay_family(report):
 
 LEARN = PRELUDE + """
 report = warmup.run(stand_in_worker())       # no manifest yet: replay does not apply
-with monitor.capture() as compiled:
+with hook.capture() as compiled:
     rk.choose_autotune_configs()             # stands in for the benchmark a GPU would run
     rk.launch_all()                          # production launches after warmup: learned
 print(json.dumps({"replay": replay_family(report), "learn": report.get("learn"),
@@ -70,7 +73,7 @@ def key_caches():
                "apply": rk.apply_kernel, "cast": rk.cast_kernel}
     return {name: len(jit.device_caches[triton_compat.current_device()][1]) for name, jit in kernels.items()}
 keys_before = key_caches()
-with monitor.capture() as compiled:
+with hook.capture() as compiled:
     rk.launch_all()                          # the same launches, after replay
 keys_after = key_caches()
 out = {"replay": replay_family(report), "compiled_after": [(c.name, c.key) for c in compiled],
@@ -214,7 +217,10 @@ from vllm.v1.worker.block_table import _compute_slot_mapping_kernel as slot_mapp
 from vllm.model_executor.layers.fla.ops.fused_gdn_prefill_post_conv import _fused_post_conv_kernel as post_conv
 import replay_kernels as rk
 rk.install_fake_driver()  # after the imports: vLLM's fla utils probe the device at import
-from kwarm_ext import learn, manifest_files, monitor, replay
+from kwarm_ext import manifest_files
+from kwarm_ext.surfaces.triton import learn
+from kwarm_ext.surfaces.triton import hook
+from kwarm_ext.surfaces.triton import replay
 
 def launch():
     i32, i64, bf, f32 = torch.int32, torch.int64, torch.bfloat16, torch.float32
@@ -231,7 +237,7 @@ path = sys.argv[1]
 stamp = manifest_files.current_stamp(model="tiny", tp_size=1)
 if not os.path.exists(path):
     recorder = learn.Recorder(("vllm.", "kwarm_ext."))
-    monitor.listen(recorder.on_compile)
+    hook.listen(recorder.on_compile)
     launch()
     manifest_files.save(path, stamp, recorder.take_unsaved())
     print(json.dumps({"recorded": recorder.recorded}))
@@ -239,7 +245,7 @@ else:
     state = replay.prepare(path, stamp, ("vllm.", "kwarm_ext."))
     state.threads = 4
     replay.compile_entries(state)
-    with monitor.capture() as compiled:
+    with hook.capture() as compiled:
         launch()
     print(json.dumps({"replayed": len(state.compiled), "skipped": len(state.skipped), "compiled": len(compiled)}))
 """
@@ -269,7 +275,7 @@ class _Kernel:
 
 
 def test_load_step_runs_on_threads_and_reports_each_failure():
-    from kwarm_ext import triton_preload
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     kernels = [_Kernel(f"k{i}", fail=(i == 2)) for i in range(6)]
     errors = triton_preload.init_handles_each(kernels, threads=4)
@@ -282,7 +288,7 @@ def test_load_step_falls_back_to_one_thread_when_a_thread_cannot_take_the_device
     torch.cuda.set_device without a driver) every kernel loads in the caller's thread."""
     import threading
 
-    from kwarm_ext import triton_preload
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     monkeypatch.setattr(triton_preload, "_current_cuda_device", lambda: 0)
     kernels = [_Kernel(f"k{i}") for i in range(3)]
@@ -293,7 +299,8 @@ def test_load_step_falls_back_to_one_thread_when_a_thread_cannot_take_the_device
 def test_key_cache_seeding_reads_back_only_keys_that_print_the_same(monkeypatch):
     """``seed_key_cache`` on a stand-in JITFunction's ``device_caches`` (the current device
     comes from the GPU driver, stood in for)."""
-    from kwarm_ext import triton_compat, triton_preload
+    from kwarm_ext.surfaces.triton import compat as triton_compat
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     monkeypatch.setattr(triton_compat, "current_device", lambda: 0)
     jit = type("Jit", (), {})()
@@ -315,7 +322,8 @@ def test_key_cache_seeding_reads_int_enum_and_dtype_constexprs(monkeypatch):
     import enum
 
     import triton.language as tl
-    from kwarm_ext import triton_compat, triton_preload
+    from kwarm_ext.surfaces.triton import compat as triton_compat
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     class Mode(enum.IntEnum):
         NONE = 0
@@ -343,7 +351,8 @@ def test_a_failed_key_cache_seed_or_binder_priming_is_quiet_but_strict_raises(mo
     the engine starts without them, but KWARM_STRICT (CI) must see a Triton layout change."""
     import types
 
-    from kwarm_ext import replay, triton_preload
+    from kwarm_ext.surfaces.triton import replay
+    from kwarm_ext.surfaces.triton import preload as triton_preload
 
     def broken(*args):
         raise AttributeError("JITFunction has no device_caches")

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import clean_env
-from kwarm_ext import config, manifest, manifest_files, replay, triton_compat, warmup
+from kwarm_ext import config, manifest, manifest_files, warmup
+from kwarm_ext.surfaces.triton import replay
+from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.manifest import BadManifest, Stamp
 
 triton = pytest.importorskip("triton")
@@ -135,7 +137,8 @@ def test_a_learner_whose_save_times_out_exits_promptly(tmp_path):
     code = f"""
 import fcntl, os, sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from kwarm_ext import learn, manifest, manifest_files
+from kwarm_ext import manifest, manifest_files
+from kwarm_ext.surfaces.triton import learn
 from kwarm_ext.manifest import Stamp
 manifest_files.LOCK_TIMEOUT_S = 0.5
 path = {str(tmp_path / 'm.json')!r}

@@ -59,7 +59,8 @@ import pickle
 import tempfile
 import time
 
-from kwarm_ext import config, triton_compile
+from kwarm_ext import config
+from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,

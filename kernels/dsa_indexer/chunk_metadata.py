@@ -13,7 +13,7 @@ from kwarm_ext.kernels.attention_groups import block_table
 from kwarm_ext.kernels.attention_groups import groups_of as _groups
 from kwarm_ext.kernels.attention_groups import metadata_builder as _builder
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
-from kwarm_ext.triton_compat import int_class
+from kwarm_ext.surfaces.triton.compat import int_class
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
 from kwarm_ext.kernels.dsa_indexer.common import (
     CHUNK_KERNEL, DECODES_AHEAD, DECODE_SEQ_LEN, INDEXER_BACKEND, PREFILL_CONTEXT_LENS,

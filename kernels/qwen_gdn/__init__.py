@@ -78,7 +78,7 @@ from kwarm_ext.kernels.qwen_gdn.common import (
 from kwarm_ext.kernels.qwen_gdn.decode import _decode_steps
 from kwarm_ext.kernels.qwen_gdn.norm import _norm_steps
 from kwarm_ext.kernels.qwen_gdn.prefill import _conv_steps, _post_conv_steps, _sigmoid_steps
-from kwarm_ext.triton_compat import param_mode
+from kwarm_ext.surfaces.triton.compat import param_mode
 
 # The family's parts (one module each, beside the shapes and helpers they share in common):
 # prefill, decode and norm. What the tests and the family table read:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
-from kwarm_ext.triton_compat import param_mode
+from kwarm_ext.surfaces.triton.compat import param_mode
 from kwarm_ext.vllm_compat import Missing
 from kwarm_ext.vllm_compat import bind
 from kwarm_ext.vllm_compat import resolve

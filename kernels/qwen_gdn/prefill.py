@@ -10,7 +10,7 @@ from kwarm_ext.kernels.specializations import classes_for
 from kwarm_ext.kernels.specializations import int_key
 from kwarm_ext.kernels.specializations import split_by_key
 from kwarm_ext.kernels.specializations import split_steps
-from kwarm_ext.triton_compat import param_mode
+from kwarm_ext.surfaces.triton.compat import param_mode
 from kwarm_ext.vllm_compat import Missing
 from kwarm_ext.vllm_compat import bind
 from kwarm_ext.vllm_compat import resolve

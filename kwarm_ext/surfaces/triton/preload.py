@@ -1,6 +1,6 @@
 """Replaying a recorded compile: ``JITFunction.preload`` (inside ``AsyncCompileMode`` when
 parallel), then the launcher cache, ``CompiledKernel._init_handles`` and one tiny launch. Part of
-the Triton adapter (see ``kwarm_ext.triton_compat``): Triton runtime internals, one function each."""
+the Triton adapter (see ``kwarm_ext.surfaces.triton.compat``): Triton runtime internals, one function each."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import json
 
-from kwarm_ext import triton_compat  # attribute access: tests stand in for its functions
+from kwarm_ext.surfaces.triton import compat as triton_compat
 
 
 # ---------------------------------------------------------------------------- replaying

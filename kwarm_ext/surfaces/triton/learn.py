@@ -1,11 +1,12 @@
-"""Learning: record what Triton compiles after kwarm's warmup into this deployment's manifest.
+"""Learning: record what Triton compiles (and the other surfaces build: FlashInfer's JIT modules)
+after kwarm's warmup into this deployment's manifest.
 
 Why: the hand-written families cover the kernels someone studied; everything else still
 compiles on the first request that reaches it. With ``KWARM_LEARN=1`` (or ``kwarm run
 --learn``) each worker records those compilations as they happen, and the next start
-replays them (kwarm_ext/replay.py) before the families run.
+replays them (kwarm_ext/surfaces/triton/replay.py) before the families run.
 
-How: a :class:`Recorder` listens on kwarm's one post-compile hook (kwarm_ext/monitor.py)
+How: a :class:`Recorder` listens on kwarm's one post-compile hook (kwarm_ext/surfaces/triton/hook.py)
 from the end of kwarm's warmup (``KWARM_LEARN=all``: from its start) and keeps each new
 compilation of an allow-listed, module-level kernel. A :class:`Learner` merges them, with
 the autotuners' choices for the kernels seen, into the manifest: every
@@ -21,7 +22,9 @@ import dataclasses
 import logging
 import threading
 
-from kwarm_ext import config, engine, manifest, manifest_files, monitor, triton_compat
+from kwarm_ext import config, engine, manifest, manifest_files
+from kwarm_ext.surfaces.triton import hook
+from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.manifest import Entry, Stamp, TuneChoice
 
 logger = logging.getLogger("kwarm")
@@ -41,6 +44,43 @@ class Recorder:
         self._refused: set = set()  # modules already logged as not allow-listed
         self._token_counts: set = set()  # step sizes seen (all)
         self._unsaved_counts: list = []
+        self._surface_keys: set = set()  # (surface, key) of the other surfaces' items seen or known
+        self._unsaved_items: dict = {}  # surface name -> (version, [item])
+
+    def know_items(self, manifest_data) -> None:
+        """The other surfaces' items already in the manifest: not new."""
+        from kwarm_ext import surfaces
+
+        for name, section in manifest_data.surfaces.items():
+            key = surfaces.get(name).key
+            self._surface_keys.update((name, key(item)) for item in section["items"])
+
+    def on_built(self, event) -> None:
+        """A build of another surface (FlashInfer: a JIT module): its item, if it can be replayed."""
+        from kwarm_ext import surfaces
+
+        if self._paused:
+            return
+        try:
+            surface = surfaces.get(event.surface)
+            item = surface.item(event)
+            if item is None:
+                logger.info("kwarm: not learning %s %s: built by no replayable call", surface.label, event.name)
+                return
+            identity = (surface.name, surface.key(item))
+            with self._lock:
+                if identity in self._surface_keys:
+                    return
+                self._surface_keys.add(identity)
+                version, items = self._unsaved_items.setdefault(surface.name, (surface.version(), []))
+                items.append(item)
+        except Exception as exc:
+            logger.debug("kwarm: not recording a %s build: %s", event.surface, exc)
+
+    def take_unsaved_items(self) -> dict:
+        with self._lock:
+            out, self._unsaved_items = self._unsaved_items, {}
+        return out
 
     def on_compile(self, kwargs: dict) -> None:
         if self._paused:
@@ -99,11 +139,13 @@ class Recorder:
             out, self._unsaved_counts = self._unsaved_counts, []
         return out
 
-    def give_back(self, entries: list, counts=()) -> None:
-        """Entries and step sizes whose save failed: the next save tries them again."""
+    def give_back(self, entries: list, counts=(), items=None) -> None:
+        """Entries, step sizes and surface items whose save failed: the next save tries them again."""
         with self._lock:
             self._unsaved[:0] = entries
             self._unsaved_counts[:0] = list(counts)
+            for name, (version, lost) in (items or {}).items():
+                self._unsaved_items.setdefault(name, (version, []))[1][:0] = lost
 
     def kernels(self) -> set:
         with self._lock:
@@ -151,15 +193,16 @@ class Learner:
         """Merge what is new into the manifest; None when nothing new was recorded."""
         with self._save_lock:
             entries, counts = self.recorder.take_unsaved(), self.recorder.take_unsaved_counts()
+            items = self.recorder.take_unsaved_items()
             kernels = self.recorder.kernels() | self.known_kernels
             choices = [c for c in snapshot_choices(kernels, self.recorder.allowed)
                        if c.identity not in self.saved_choices]
-            if not entries and not choices and not counts:
+            if not entries and not choices and not counts and not items:
                 return None
             try:
-                result = manifest_files.save(self.path, self.stamp, entries, choices, counts)
+                result = manifest_files.save(self.path, self.stamp, entries, choices, counts, items)
             except BaseException:
-                self.recorder.give_back(entries, counts)
+                self.recorder.give_back(entries, counts, items)
                 raise
             self.saved_choices.update(c.identity for c in choices)
             self.learned += result.added
@@ -183,7 +226,7 @@ class Learner:
 
     def run_periodically(self) -> None:
         while not self._stop.wait(self.interval):
-            if monitor.ensure():
+            if hook.ensure():
                 logger.info("kwarm: another jit_post_compile_hook had replaced kwarm's; chained it again")
             self.save_quietly("periodic")
 
@@ -216,11 +259,13 @@ def begin(view) -> Learner:
         stamp, path = deployment(view)
         known = _known_manifest(path, stamp)
         recorder = Recorder(settings.allowed_modules, {e.identity for e in known.entries})
+        recorder.know_items(known)
         learner = Learner(path, stamp, recorder, settings.learn_interval,
                           known_kernels={(i.module, i.qualname) for i in known.entries + known.autotune},
                           saved_choices={c.identity for c in known.autotune})
-        if not monitor.listen(learner.recorder.on_compile):
+        if not hook.listen(learner.recorder.on_compile):
             raise RuntimeError("Triton is not importable: nothing to learn")
+        watch_surfaces(learner.recorder)
         _learner = learner
     atexit.register(_save_at_exit)
     with contextlib.suppress(Exception):
@@ -233,6 +278,22 @@ def begin(view) -> Learner:
         threading.Thread(target=learner.run_periodically, name="kwarm-learn", daemon=True).start()
     logger.info("kwarm: learning: compilations after kwarm's warmup go to %s", path)
     return learner
+
+
+def watch_surfaces(recorder: Recorder) -> dict:
+    """Record the other surfaces' builds too (kwarm_ext/surfaces/); returns name -> stop() of those
+    watched (a learner watches until the process exits)."""
+    from kwarm_ext import surfaces
+
+    watched = {}
+    for surface in surfaces.with_sections():
+        try:
+            stop = surface.watch(recorder.on_built)
+            if stop is not None:
+                watched[surface.name] = stop
+        except Exception as exc:
+            logger.warning("kwarm: not learning %s: %s: %s", surface.label, type(exc).__name__, exc)
+    return watched
 
 
 def record_steps(runner, recorder: Recorder) -> bool:

@@ -1,13 +1,13 @@
 """Compiling Triton kernels ahead of their first launch: a launch turned into a compile on
 Triton's ``AsyncCompileMode`` pool, and the share of cores a rank may use. Part of the Triton
-adapter (see ``kwarm_ext.triton_compat``): Triton runtime internals, one function each."""
+adapter (see ``kwarm_ext.surfaces.triton.compat``): Triton runtime internals, one function each."""
 from __future__ import annotations
 
 from typing import Callable
 import contextlib
 import os
 
-from kwarm_ext import triton_compat  # attribute access: tests stand in for its functions
+from kwarm_ext.surfaces.triton import compat as triton_compat
 
 
 def compile_threads(tp_size) -> int:

@@ -1,11 +1,14 @@
 """Family ``replay``: compile at engine start what earlier runs of this deployment compiled late.
 
+Triton's entries first (the steps below), then one step per other JIT surface in the manifest
+(``surfaces``: FlashInfer's modules), each through that surface's ``replay`` (kwarm_ext/surfaces/).
+
 Why: the hand-written families (kernels/) cover the kernels someone studied. A model,
 backend or vLLM release they do not know still compiles on its first requests. With
 ``KWARM_LEARN=1`` a run records those compilations into the deployment's manifest
-(kwarm_ext/learn.py); every later start replays it, first among the families.
+(kwarm_ext/surfaces/triton/learn.py); every later start replays it, first among the families.
 
-How (Triton's own mechanisms, through the Triton adapter: kwarm_ext/triton_compat.py, triton_preload.py, triton_compile.py):
+How (Triton's own mechanisms, through the Triton adapter: kwarm_ext/surfaces/triton/compat.py, triton_preload.py, triton_compile.py):
   1. load the manifest: a trusted file, this Triton, this GPU architecture (one log line and
      no replay otherwise);
   2. resolve each entry (allow-listed modules whose source defines Triton kernels only), skip
@@ -30,7 +33,12 @@ import logging
 import os
 import time
 
-from kwarm_ext import config, learn, manifest, manifest_files, monitor, triton_compat, triton_compile, triton_preload
+from kwarm_ext import config, manifest, manifest_files, surfaces
+from kwarm_ext.surfaces.triton import learn
+from kwarm_ext.surfaces.triton import hook
+from kwarm_ext.surfaces.triton import compat as triton_compat
+from kwarm_ext.surfaces.triton import compile as triton_compile
+from kwarm_ext.surfaces.triton import preload as triton_preload
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.log import fail_open
 
@@ -62,6 +70,8 @@ class ReplayState:
     key_cache_seeded: int = 0  # replayed keys mapped from their specialization (kernel_key_cache)
     loaded: int = 0
     binder: str = "not primed"
+    surfaces: dict = dataclasses.field(default_factory=dict)  # the other surfaces' sections of the manifest
+    surfaces_replayed: dict = dataclasses.field(default_factory=dict)  # surface name -> labels done
 
     def skip(self, label: str, kind: str, reason: str) -> None:
         self.skipped.append(Skip(label, kind, reason))
@@ -71,6 +81,7 @@ class ReplayState:
         if self.refused:
             return f"manifest not used ({self.refused})"
         text = f"{len(self.compiled)} replayed"
+        text += "".join(f" + {len(done)} {name}" for name, done in self.surfaces_replayed.items())
         extras = [f"{self.already} already compiled" if self.already else "",
                   f"{self.not_chosen} unchosen autotune configs left out" if self.not_chosen else "",
                   f"{self.seeded} autotune choices seeded" if self.seeded else ""]
@@ -88,6 +99,7 @@ class ReplayState:
                 "not_chosen": self.not_chosen, "autotune_seeded": self.seeded,
                 "key_cache_seeded": self.key_cache_seeded, "loaded": self.loaded,
                 "binder": self.binder, "threads": self.threads,
+                "surfaces": {name: done for name, done in self.surfaces_replayed.items()},
                 "skipped": [dataclasses.asdict(s) for s in self.skipped]}
 
 
@@ -95,7 +107,7 @@ class ReplayState:
 
 
 def applies(view) -> str | None:
-    if not monitor.available():
+    if not hook.available():
         return "Triton is missing or interpreted (TRITON_INTERPRET=1)"
     if triton_compat.current_arch() is None:
         return "no GPU driver"
@@ -114,7 +126,9 @@ def plan(view, forced) -> Plan:
     return Plan([Step("compile", "manifest entries", run=lambda: compile_entries(state), skip=none),
                  Step("autotune", "autotuner caches", run=lambda: seed_autotuners(state), skip=none),
                  Step("load", "kernel handles", run=lambda: load_handles(state), skip=none or gpu_skip),
-                 Step("launch", "kwarm_noop", run=lambda: launch_once(state), skip=none or gpu_skip)],
+                 Step("launch", "kwarm_noop", run=lambda: launch_once(state), skip=none or gpu_skip)]
+                + [Step(name, surfaces.get(name).label, run=lambda name=name: replay_surface(state, name), skip=none)
+                   for name in sorted(state.surfaces) if state.surfaces[name]["items"]],
                 state.details)  # the replay's outcome, for the summary line and the JSON report
 
 
@@ -179,6 +193,7 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
                     path, ", ".join(data.stamp.differences(stamp)))
     for label, reason in data.problems:
         state.skip(label, "malformed", reason)
+    state.surfaces = data.surfaces
     resolver, chosen = Resolver(allowed), _choices_by_kernel(data.autotune)
     for entry in data.entries:
         _plan_entry(state, entry, resolver, chosen)
@@ -292,6 +307,17 @@ def _settle(state: ReplayState, job, result) -> None:
     with fail_open(f"replay could not seed the key cache for {job.label}", logging.DEBUG):
         state.key_cache_seeded += triton_preload.seed_key_cache(job.jit, job.key)
     return None
+
+
+def replay_surface(state: ReplayState, name: str) -> list:
+    """Another surface's items (kwarm_ext/surfaces/), through that surface's own replay."""
+    section = state.surfaces[name]
+    with learn.paused():
+        result = surfaces.get(name).replay(section["items"], section["version"])
+    for label, reason in result.skipped:
+        state.skip(label, name, reason)
+    state.surfaces_replayed[name] = result.done
+    return result.done
 
 
 def seed_autotuners(state: ReplayState) -> list:
