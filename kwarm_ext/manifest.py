@@ -357,6 +357,7 @@ def _entry(raw) -> Entry:
     spec = _spec(raw.get("spec"), f"{module}.{qualname}")
     _check_key_matches_signature(key, spec["signature"])
     _check_constants_match_key(specialization, spec)
+    _check_attrs_match_key(specialization, spec)
     return Entry(module, qualname, _str(raw, "source_key", limit=256), key, options, spec)
 
 
@@ -382,19 +383,51 @@ def _check_constants_match_key(specialization, spec: dict) -> None:
                              f"{printable(repr(held[1]))}")
 
 
+def _check_attrs_match_key(specialization, spec: dict) -> None:
+    """The recorded compiler attributes must be those the key implies (``tt.divisibility`` only
+    where the key says ``D``): replay compiles with them and files the binary under the key, and
+    an attribute the key does not justify (16-byte alignment) would be assumed by every launch
+    that finds that key."""
+    from kwarm_ext.surfaces.triton.compat import attrs_from_key
+
+    implied = {path: attrs for path, attrs in attrs_from_key(specialization).items() if attrs}
+    recorded = {}
+    for path, attrs in zip(spec["attrs_keys"], spec["attrs_vals"]):
+        if attrs:
+            recorded[tuple(path)] = attrs
+    for path in sorted(set(implied) | set(recorded)):
+        if json.dumps(recorded.get(path)) != json.dumps(implied.get(path)):
+            raise ValueError(f"attributes of argument {list(path)} are {printable(json.dumps(recorded.get(path)))} "
+                             f"but the key implies {printable(json.dumps(implied.get(path)))}")
+
+
 def _same_constant(encoded, in_key) -> bool:
-    """Whether a recorded (JSON) constant is the key's value. Scalars and Triton dtypes are
-    compared exactly; objects the key prints by identity (jitted functions, torch dtypes,
-    tuples) only need a value there."""
+    """Whether a recorded (JSON) constant is the key's value, kind for kind: scalars exactly
+    (``-0.0`` is not ``0.0``: Triton compiles them apart), Triton and torch dtypes by name, tuples
+    element by element; a jitted function, which the key prints as its cache key (a hash), only
+    where the key holds one (its source is checked against the key when it is resolved). Any
+    other tag is refused."""
     if encoded is None or isinstance(encoded, (bool, int, float, str)):
+        if type(encoded) is float and type(in_key) is float:
+            return repr(encoded) == repr(in_key)
         return encoded == in_key and _kind(encoded) is _kind(in_key)
-    if isinstance(encoded, dict) and set(encoded) == {"tl_dtype"}:
-        return str(in_key) == encoded["tl_dtype"]
-    if isinstance(encoded, dict) and set(encoded) == {"constexpr"}:
-        return _same_constant(encoded["constexpr"], in_key)
-    if isinstance(encoded, dict) and set(encoded) == {"str"}:
-        return in_key == encoded["str"]
-    return in_key is not None
+    if not (isinstance(encoded, dict) and len(encoded) == 1):
+        return False
+    (tag, inner), = encoded.items()
+    if tag == "tl_dtype":
+        return str(in_key) == inner
+    if tag == "constexpr":
+        return _same_constant(inner, in_key)
+    if tag == "str":
+        return type(in_key) is str and in_key == inner
+    if tag == "torch_dtype":
+        return type(inner) is str and str(in_key) in (f"torch.{inner}", inner)
+    if tag == "tuple":
+        return (isinstance(inner, list) and isinstance(in_key, (tuple, list)) and len(inner) == len(in_key)
+                and all(_same_constant(e, k) for e, k in zip(inner, in_key)))
+    if tag == "jit_function":
+        return type(inner) is str and type(in_key) is str and bool(re.fullmatch(r"[0-9a-f]{64}", in_key))
+    return False
 
 
 def _spec(spec, full_name: str) -> dict:

@@ -42,6 +42,39 @@ def test_constants_that_disagree_with_the_key_are_refused(tmp_path, kwarm_log, f
     assert "constant 3 is 64 but the key says 128" in state.skipped[0].reason
 
 
+def test_1_compiler_attributes_the_key_does_not_justify_are_refused(tmp_path):
+    aligned = entry(n_class="")  # the key says n is not divisible by 16 ...
+    aligned.spec["attrs_vals"] = [[["tt.divisibility", 16]]] * 3  # ... the file says it is
+    dropped = entry(n_class="D")
+    dropped.spec["attrs_vals"] = [[["tt.divisibility", 16]], [], [["tt.divisibility", 16]]]  # y_ptr lost its 'D'
+    path = write(tmp_path / "m.json", [aligned, dropped, entry(block=32)])
+    data = manifest_files.load(str(path))
+    assert [e.spec["constant_vals"] for e in data.entries] == [[32]]
+    reasons = [reason for _, reason in data.problems]
+    assert 'attributes of argument [2] are [["tt.divisibility", 16]] but the key implies null' in reasons[0]
+    assert 'attributes of argument [1] are null but the key implies [["tt.divisibility", 16]]' in reasons[1]
+
+
+@pytest.mark.parametrize("tagged", [{"tuple": []}, {"torch_dtype": "float16"}, {"jit_function": "replay_kernels:copy_kernel"},
+                                    {"str": "128"}, {"constexpr": {"tuple": [128]}}, {"other": 128}, {"tuple": [], "str": "x"}])
+def test_2_tagged_objects_do_not_pass_for_a_plain_constant(tmp_path, tagged):
+    liar = entry(block=128)
+    liar.spec["constant_vals"] = [tagged]  # the key says BLOCK=128
+    data = manifest_files.load(str(write(tmp_path / "m.json", [liar])))
+    assert data.entries == [] and "but the key says 128" in data.problems[0][1], data.problems
+
+
+def test_12_negative_zero_is_not_zero(tmp_path):
+    key = entry().key.replace("('constexpr', 128)", "('constexpr', 0.0)")
+    raw = manifest.Manifest(STAMP, [entry()]).as_json()
+    raw["entries"][0].update(key=key)
+    for recorded, usable in ((-0.0, False), (0.0, True)):
+        raw["entries"][0]["spec"]["constant_vals"] = [recorded]
+        data = manifest.parse(json.dumps(raw))
+        assert bool(data.entries) is usable, (recorded, data.problems)
+    assert manifest._same_constant(float("nan"), float("nan"))  # a key holding nan is that nan
+
+
 def test_a_key_whose_specialization_cannot_be_read_is_refused(tmp_path, fake_driver):
     odd = entry()
     odd_key = odd.key.replace("('constexpr', 128)", "('constexpr', os.system)")

@@ -281,6 +281,18 @@ def read_key(key: str) -> tuple[list | None, dict]:
     raise ValueError("the key does not end with a readable options dict")
 
 
+def attrs_from_key(specialization: list) -> dict:
+    """The compiler attributes (``tt.divisibility``, ...) a key's specialization implies, path ->
+    attributes, as Triton's own ``JITFunction._pack_args`` derives them for a launch: its
+    ``find_paths_if`` over each argument's specialization string, and the backend's ``parse_attr``."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import find_paths_if, get_iterable_path
+
+    values = [x[1] for x in specialization]
+    paths = find_paths_if(values, lambda _, x: isinstance(x, str))
+    return {tuple(path): BaseBackend.parse_attr(get_iterable_path(values, path)) for path in paths}
+
+
 def encode_constant(value):
     """A constexpr value as JSON; objects JSON can't carry get a one-key tag (OBJECT_TAGS)."""
     import triton.language as tl
