@@ -31,6 +31,12 @@ OPTION_VALUE = (type(None), bool, int, float, str)
 MAX_KEY = 20_000  # characters of one in-memory key (vLLM's largest, 73 arguments: about 4,000)
 MAX_TOKEN_COUNTS = 4096  # learned step sizes kept per manifest (eager_gemm warms them exactly)
 MAX_TOKENS = 1 << 20  # a step's token count above this is not a real one
+# Bounds that keep a hostile file cheap (8 MiB: under 1 s and 50 MB at engine start). A learned
+# manifest of a published-size model holds a few hundred entries of at most ~250 JSON containers.
+MAX_ENTRIES = 20_000  # entries, and autotune choices, kept per manifest
+MAX_CONTAINERS = 400_000  # JSON objects and arrays in one file, counted before it is parsed
+MAX_PROBLEMS = 50  # dropped items kept with their reason; the rest are counted
+MAX_CONSTANT = 1000  # characters of one recorded constexpr as JSON (vLLM's: numbers, dtypes, short tuples)
 
 
 class BadManifest(ValueError):
@@ -121,7 +127,8 @@ class Manifest:
     stamp: Stamp
     entries: list = dataclasses.field(default_factory=list)  # [Entry]
     autotune: list = dataclasses.field(default_factory=list)  # [TuneChoice]
-    problems: list = dataclasses.field(default_factory=list)  # (label, reason) of dropped items
+    problems: list = dataclasses.field(default_factory=list)  # (label, reason) of dropped items, at most MAX_PROBLEMS
+    more_problems: int = 0  # dropped items past MAX_PROBLEMS
     token_counts: list = dataclasses.field(default_factory=list)  # step sizes seen, first seen first
     # the other JIT surfaces' items (kwarm_ext/surfaces/): name -> {"version": str | None, "items": [dict]}
     surfaces: dict = dataclasses.field(default_factory=dict)
@@ -249,6 +256,9 @@ def printable(text, limit: int = 200) -> str:
 
 def _document(text: str) -> dict:
     """The manifest's JSON object, its format and version checked; raises :class:`BadManifest`."""
+    containers = text.count("{") + text.count("[")  # an upper bound (strings may hold them): no parse yet
+    if containers > MAX_CONTAINERS:
+        raise BadManifest(f"{containers} JSON objects and arrays, more than a manifest holds ({MAX_CONTAINERS})")
     try:
         data = json.loads(text)
     except RecursionError:
@@ -267,20 +277,47 @@ def parse(text: str) -> Manifest:
     unusable; a malformed entry is dropped into ``problems`` as (label, reason)."""
     data = _document(text)
     manifest = Manifest(_stamp(data.get("stamp")))
+    problems = _Problems()
     for field, build in (("entries", _entry), ("autotune", _choice)):
         items = data.get(field, [])
         if not isinstance(items, list):
             raise BadManifest(f"\"{field}\" is not a list")
+        if len(items) > MAX_ENTRIES:
+            problems.append((field, f"{len(items) - MAX_ENTRIES} past the first {MAX_ENTRIES} dropped"))
+            items = items[:MAX_ENTRIES]
         good = []
         for raw in items:
             try:
                 good.append(build(raw))
             except (TypeError, ValueError, KeyError, RecursionError) as exc:
-                manifest.problems.append((_raw_label(raw), f"malformed: {printable(exc)}"))
+                problems.item(raw, exc)
         manifest.merge(**{field: good})
-    manifest.merge(token_counts=_token_counts(data.get("token_counts", []), manifest.problems))
-    manifest.merge(surfaces=_surfaces(data.get("surfaces", {}), manifest.problems))
+    manifest.merge(token_counts=_token_counts(data.get("token_counts", []), problems))
+    manifest.merge(surfaces=_surfaces(data.get("surfaces", {}), problems))
+    manifest.problems, manifest.more_problems = problems.kept, problems.more
     return manifest
+
+
+class _Problems:
+    """(label, reason) of dropped items: the first MAX_PROBLEMS kept, the rest counted (a hostile
+    file of millions of bad items costs neither memory nor log lines)."""
+
+    def __init__(self):
+        self.kept: list = []
+        self.more = 0
+
+    def append(self, problem) -> None:
+        if len(self.kept) < MAX_PROBLEMS:
+            self.kept.append(problem)
+        else:
+            self.more += 1
+
+    def item(self, raw, exc) -> None:
+        """A malformed item: labelled and described only while it is kept."""
+        if len(self.kept) < MAX_PROBLEMS:
+            self.kept.append((_raw_label(raw), f"malformed: {printable(exc)}"))
+        else:
+            self.more += 1
 
 
 def _surfaces(raw, problems: list) -> dict:
@@ -373,6 +410,8 @@ def _check_constants_match_key(specialization, spec: dict) -> None:
     if specialization is None:
         raise ValueError("the key's specialization cannot be read, so its constants cannot be checked")
     for path, encoded in zip(spec["constant_keys"], spec["constant_vals"]):
+        if len(json.dumps(encoded)) > MAX_CONSTANT:
+            raise ValueError(f"constant {path} is larger than {MAX_CONSTANT} characters of JSON")
         if len(path) != 1 or path[0] >= len(specialization):
             raise ValueError(f"constant {path} is not an argument of the key")
         held = specialization[path[0]]
@@ -532,4 +571,5 @@ def _raw_label(raw) -> str:
         key = raw.get("key")
         return printable(f"{raw['module']}:{raw['qualname']}", 120) + (
             f" [{short_hash(key)}]" if isinstance(key, str) else "")
-    return printable(repr(raw), 80)
+    return printable(repr(raw)[:80] if not isinstance(raw, (dict, list)) or len(raw) < 20 else
+                     f"a JSON {type(raw).__name__} of {len(raw)} items", 80)

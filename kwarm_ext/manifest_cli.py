@@ -88,6 +88,8 @@ def render(path: str, data) -> str:
         lines.append(f"  {surface.label} (version {safe(section['version'])}): {len(section['items'])}")
         lines += [f"    {surface.describe(item)}" for item in section["items"]]
     lines += [f"  dropped {label}: {reason}" for label, reason in data.problems]
+    if data.more_problems:
+        lines.append(f"  dropped {data.more_problems} more malformed items (not listed)")
     return "\n".join(manifest.printable(line, LINE_LIMIT) for line in lines)
 
 
@@ -214,6 +216,8 @@ def merge(paths: list, output: str) -> int:
         else:
             inputs.append(data)
             dropped += [(path, label, reason) for label, reason in data.problems]
+            if data.more_problems:
+                dropped.append((path, f"{data.more_problems} more malformed items", "not listed"))
     for path, why in refused:
         _out(f"{path}: not merged: {why}")
     for path, label, reason in dropped:

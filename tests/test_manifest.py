@@ -282,7 +282,8 @@ def test_only_allow_listed_compiler_options_with_bounded_values(tmp_path, kwarm_
     state = replay.prepare(str(write(tmp_path / "m.json", [bad, entry(block=64)])), STAMP, ALLOWED)
     assert [(s.kind, s.reason) for s in state.skipped] == [("malformed", f"malformed: {reason}")]
     assert len(state.jobs) == 1
-    assert warnings_of(kwarm_log) == [f"kwarm: replay skipped {bad.label}: malformed: {reason}"]
+    assert warnings_of(kwarm_log) == [f"kwarm: replay dropped 1 malformed item of {tmp_path / 'm.json'} "
+                                      f"(first: {bad.label}: malformed: {reason})"]
     assert manifest.disallowed_options({"num_warps": 4, "num_stages": 3, "maxnreg": None, "debug": False}) == []
 
 
@@ -305,14 +306,16 @@ def test_constexpr_functions_are_resolved_like_kernels(tmp_path, kwarm_log, fake
     assert line.startswith(f"kwarm: replay skipped {bad.label}: unusable constants: ") and reason in line
 
 
-def test_malformed_entries_are_one_line_each_and_the_rest_replays(tmp_path, kwarm_log, fake_driver):
+def test_malformed_entries_are_one_line_per_file_and_the_rest_replays(tmp_path, kwarm_log, fake_driver):
     obj = json.loads(write(tmp_path / "m.json", [entry()]).read_text())
     obj["entries"].append({**entry(block=64).as_json(), "launch_options": "fast"})
+    obj["entries"].append({**entry(block=32).as_json(), "launch_options": "slow"})
     (tmp_path / "m.json").write_text(json.dumps(obj))
     state = replay.prepare(str(tmp_path / "m.json"), STAMP, ALLOWED)
-    assert len(state.jobs) == 1 and [s.kind for s in state.skipped] == ["malformed"]
+    assert len(state.jobs) == 1 and [s.kind for s in state.skipped] == ["malformed", "malformed"]
     (line,) = warnings_of(kwarm_log)
-    assert line.startswith("kwarm: replay skipped replay_kernels:copy_kernel [") and "launch_options" in line
+    assert line.startswith(f"kwarm: replay dropped 2 malformed items of {tmp_path / 'm.json'} (first: "
+                           "replay_kernels:copy_kernel [") and "launch_options" in line
 
 
 def test_engine_starts_with_a_bad_manifest(tmp_path, kwarm_env, kwarm_log, fake_driver):

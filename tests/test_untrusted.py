@@ -202,7 +202,7 @@ print("RESULT", learner.saves)
 def test_crafted_long_keys_cost_no_quadratic_time(tmp_path):
     e = manifest.Manifest(STAMP, [entry()]).as_json()
     raw = e["entries"][0]
-    crafted = [dict(raw, key="[" + "]{" * 50_000 + "]" + str(OPTIONS)) for _ in range(10)]
+    crafted = [dict(raw, key="[" + "]{" * 15_000 + "]" + str(OPTIONS)) for _ in range(10)]  # 30k > MAX_KEY
     near_limit = [dict(raw, key="]{" * 9_000 + raw["key"])]
     text = json.dumps(dict(e, entries=crafted + near_limit))
     t0 = time.monotonic()
@@ -221,6 +221,62 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stdout.splitlines()) == 1
     result = manifest_files.save(str(path), STAMP, [entry()])  # learning can replace it
     assert result.added == 1 and "nested too deeply" in result.note
+
+
+# ---------------------------------------------------------------------------- 5, 6. bounds and log volume
+
+def test_5_entries_past_the_bound_are_dropped_in_one_line_and_constants_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "MAX_ENTRIES", 3)
+    raw = manifest.Manifest(STAMP, [entry(block=b) for b in (16, 32, 64, 128, 256)]).as_json()
+    data = manifest.parse(json.dumps(raw))
+    assert len(data.entries) == 3 and data.problems == [("entries", "2 past the first 3 dropped")]
+    big = entry(block=128)
+    big.spec["constant_vals"] = [{"tuple": [1] * 400}]
+    data = manifest.parse(json.dumps(manifest.Manifest(STAMP, [big]).as_json()))
+    assert data.entries == [] and "larger than 1000 characters" in data.problems[0][1]
+
+
+HOSTILE = r'''
+import json, logging, resource, sys, time
+sys.path.insert(0, sys.argv[2])
+from test_manifest import STAMP, ALLOWED
+from kwarm_ext.surfaces.triton import replay
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("kwarm").addHandler(Count())
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+state = replay.prepare(sys.argv[1], STAMP, ALLOWED)
+print(json.dumps({"s": time.perf_counter() - t0, "mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024,
+                  "lines": lines, "refused": state.refused, "summary": state.summary()}))
+'''
+
+
+@pytest.mark.parametrize("shape", ["tiny objects", "plain numbers", "entries that lie"])
+def test_6_an_8_mib_hostile_manifest_is_cheap_and_one_line(tmp_path, shape):
+    raw = manifest.Manifest(STAMP, [entry()]).as_json()
+    if shape == "tiny objects":
+        raw["entries"] = [{}] * ((8 << 20) // 3)
+    elif shape == "plain numbers":
+        raw["entries"] = [0] * ((8 << 20) // 2)
+    else:
+        liar = raw["entries"][0]
+        liar["spec"]["constant_vals"] = [64]  # the key says 128
+        raw["entries"] = [liar] * ((8 << 20) // len(json.dumps(liar)))
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(raw, separators=(",", ":")))
+    path.chmod(0o600)
+    assert path.stat().st_size > 7 << 20
+    script = tmp_path / "hostile.py"
+    script.write_text(HOSTILE)
+    proc = subprocess.run([sys.executable, str(script), str(path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120, cwd="/", env=clean_env(CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert len(out["lines"]) == 1 and str(path) in out["lines"][0], out["lines"][:5]
+    assert out["s"] < 10.0 and out["mb"] < 60, out  # measured alone on this CPU: 0.02-0.97 s, 16-49 MB; CI shares 2 cores
 
 
 # ---------------------------------------------------------------------------- 8. log injection

@@ -43,6 +43,7 @@ from kwarm_ext.families import Plan, Step
 from kwarm_ext.log import fail_open
 
 logger = logging.getLogger("kwarm")
+MAX_SKIP_LINES = 20  # replay's warnings per start; the summary line and the report have the rest
 NO_GPU = "no GPU driver is active (a stub or none): kernels load and launch at first use"
 
 
@@ -70,12 +71,21 @@ class ReplayState:
     key_cache_seeded: int = 0  # replayed keys mapped from their specialization (kernel_key_cache)
     loaded: int = 0
     binder: str = "not primed"
+    logged: int = 0  # skips logged (at most MAX_SKIP_LINES lines a start)
+    more_malformed: int = 0  # malformed items past those the manifest kept with their reason
     surfaces: dict = dataclasses.field(default_factory=dict)  # the other surfaces' sections of the manifest
     surfaces_replayed: dict = dataclasses.field(default_factory=dict)  # surface name -> labels done
 
-    def skip(self, label: str, kind: str, reason: str) -> None:
+    def skip(self, label: str, kind: str, reason: str, log: bool = True) -> None:
         self.skipped.append(Skip(label, kind, reason))
-        logger.warning("kwarm: replay skipped %s: %s", label, reason)
+        if not log:
+            return
+        self.logged += 1
+        if self.logged <= MAX_SKIP_LINES:
+            logger.warning("kwarm: replay skipped %s: %s", label, reason)
+        elif self.logged == MAX_SKIP_LINES + 1:
+            logger.warning("kwarm: replay: further skips are not logged (the summary line counts them, "
+                           "KWARM_REPORT lists them)")
 
     def summary(self) -> str:
         if self.refused:
@@ -87,10 +97,11 @@ class ReplayState:
                   f"{self.seeded} autotune choices seeded" if self.seeded else ""]
         text += "".join(f", {e}" for e in extras if e)
         if self.skipped:
-            kinds: dict = {}
+            kinds: dict = {"malformed": self.more_malformed} if self.more_malformed else {}
             for s in self.skipped:
                 kinds[s.kind] = kinds.get(s.kind, 0) + 1
-            text += f", {len(self.skipped)} skipped ({'; '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})"
+            text += (f", {len(self.skipped) + self.more_malformed} skipped "
+                     f"({'; '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})")
         return text
 
     def details(self) -> dict:
@@ -191,8 +202,13 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     if data.stamp.differences(stamp):
         logger.info("kwarm: manifest %s was recorded with %s; its entries are checked one by one",
                     path, ", ".join(data.stamp.differences(stamp)))
+    if data.problems:  # one line for the file, whatever the number of bad items
+        dropped = len(data.problems) + data.more_problems
+        logger.warning("kwarm: replay dropped %d malformed item%s of %s (first: %s: %s)", dropped,
+                       "s" if dropped > 1 else "", path, *data.problems[0])
     for label, reason in data.problems:
-        state.skip(label, "malformed", reason)
+        state.skip(label, "malformed", reason, log=False)
+    state.more_malformed = data.more_problems
     state.surfaces = data.surfaces
     resolver, chosen = Resolver(allowed), _choices_by_kernel(data.autotune)
     for entry in data.entries:
