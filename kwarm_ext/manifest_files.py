@@ -12,8 +12,9 @@ import re
 import stat
 import tempfile
 import time
+from kwarm_ext import manifest
 from kwarm_ext.manifest import (
-    BadManifest, MAX_BYTES, Manifest, Stamp, _document, _stamp, _token_counts, parse, printable, short_hash)
+    BadManifest, Manifest, Stamp, _document, _stamp, _token_counts, parse, printable, short_hash)
 
 
 # ---------------------------------------------------------------------------- files
@@ -35,32 +36,61 @@ def read_trusted(path: str) -> str:
     """The file's text, if it passes :func:`untrusted_reason` (checked before opening, so that
     no FIFO or device is ever opened, and again on the opened file, so that a swap between the
     check and the read is impossible). FileNotFoundError passes through."""
-    try:
-        reason = untrusted_reason(os.stat(path))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise BadManifest(f"cannot read ({exc.strerror})") from None
-    if reason:
-        raise BadManifest(f"refused: {reason}")
-    try:  # non-blocking: a FIFO swapped in after the check does not hang the open
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise BadManifest(f"cannot open ({exc.strerror})") from None
+    fd = _open_checked(path)
     reason = untrusted_reason(os.fstat(fd))
     if reason:
         os.close(fd)
         raise BadManifest(f"refused: {reason}")
     with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_BYTES + 1)
-    if len(data) > MAX_BYTES:
-        raise BadManifest(f"larger than {MAX_BYTES >> 20} MiB")
+        data = f.read(manifest.MAX_BYTES + 1)
+    if len(data) > manifest.MAX_BYTES:
+        raise BadManifest(f"larger than {manifest.MAX_BYTES >> 20} MiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise BadManifest("not UTF-8 text") from None
+
+
+O_PATH = getattr(os, "O_PATH", 0)  # Linux
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_checked(path: str) -> int:
+    """A descriptor for reading `path`, opened only once what it names passed
+    :func:`untrusted_reason`. On Linux the check is made on an ``O_PATH`` descriptor (which opens
+    nothing: no device driver, no FIFO) and the file is then reopened through
+    ``/proc/self/fd``, the same inode whatever happens to the path meanwhile; elsewhere it is
+    stat, then a non-blocking open (and the caller checks the opened file again)."""
+    def failed(exc, what):
+        if isinstance(exc, FileNotFoundError):
+            raise exc
+        raise BadManifest(f"cannot {what} ({exc.strerror})") from None
+
+    if O_PATH and os.path.isdir("/proc/self/fd"):
+        try:
+            handle = os.open(path, O_PATH | _CLOEXEC)
+        except OSError as exc:
+            failed(exc, "open")
+        try:
+            reason = untrusted_reason(os.fstat(handle))
+            if reason:
+                raise BadManifest(f"refused: {reason}")
+            try:
+                return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
+            except OSError as exc:
+                failed(exc, "open")
+        finally:
+            os.close(handle)
+    try:
+        reason = untrusted_reason(os.stat(path))
+    except OSError as exc:
+        failed(exc, "read")
+    if reason:
+        raise BadManifest(f"refused: {reason}")
+    try:  # non-blocking: a FIFO swapped in after the check does not hang the open
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | _CLOEXEC)
+    except OSError as exc:
+        failed(exc, "open")
 
 
 def check_writable_target(path: str) -> None:
@@ -204,7 +234,14 @@ def _remove_stale_temporaries(path: str) -> None:
 
 
 def _write_atomic(path: str, obj: dict) -> None:
-    write_atomic(path, _dumps(obj))
+    """What read refuses, write never produces: a manifest over MAX_BYTES is not written (the file
+    keeps what it held, and the next start still reads it)."""
+    text = _dumps(obj)
+    size = len(text.encode("utf-8"))
+    if size > manifest.MAX_BYTES:
+        raise BadManifest(f"not written: it would be {size / (1 << 20):.1f} MiB, more than the "
+                          f"{manifest.MAX_BYTES >> 20} MiB a manifest may be read at")
+    write_atomic(path, text)
 
 
 def write_atomic(path: str, text: str, mode: int = 0o644) -> None:

@@ -279,6 +279,41 @@ def test_6_an_8_mib_hostile_manifest_is_cheap_and_one_line(tmp_path, shape):
     assert out["s"] < 10.0 and out["mb"] < 60, out  # measured alone on this CPU: 0.02-0.97 s, 16-49 MB; CI shares 2 cores
 
 
+# ---------------------------------------------------------------------------- 7, 9. write what read accepts; no stat-then-open
+
+def test_7_a_save_or_merge_past_what_read_accepts_is_not_written(tmp_path, monkeypatch, capsys):
+    from kwarm_ext import manifest_cli
+
+    path = str(write(tmp_path / "m.json", [entry(block=16)], mode=0o600))
+    other = str(write(tmp_path / "o.json", [entry(block=32)], mode=0o600))
+    before = Path(path).read_text()
+    monkeypatch.setattr(manifest, "MAX_BYTES", max(len(before), len(Path(other).read_text())) + 100)  # one entry fits
+    with pytest.raises(BadManifest, match="not written: it would be .* MiB, more than the 0 MiB"):
+        manifest_files.save(path, STAMP, [entry(block=b) for b in (32, 64, 128)])
+    assert Path(path).read_text() == before and len(manifest_files.load(path).entries) == 1
+    assert manifest_cli.merge([path, other], path) == 2
+    assert "cannot write" in capsys.readouterr().out and Path(path).read_text() == before
+
+
+def test_9_a_fifo_swapped_in_after_the_check_is_never_opened_for_reading(tmp_path, monkeypatch):
+    path = str(write(tmp_path / "m.json", [entry()], mode=0o600))
+    real_open, opened = os.open, []
+
+    def swapping_open(target, flags, *args, **kwargs):
+        if str(target) == path and not opened:  # the attacker wins the race: a FIFO now
+            os.unlink(path)
+            os.mkfifo(path, 0o600)
+        fd = real_open(target, flags, *args, **kwargs)
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            opened.append(bool(flags & getattr(os, "O_PATH", 0)))
+        return fd
+
+    monkeypatch.setattr(os, "open", swapping_open)
+    with pytest.raises(BadManifest, match="refused: not a regular file"):
+        manifest_files.load(path)
+    assert opened == [True], "the FIFO was opened for reading"
+
+
 # ---------------------------------------------------------------------------- 8. log injection
 
 def test_manifest_strings_are_escaped_in_logs_and_show(tmp_path, kwarm_log, fake_driver, capsys):
@@ -326,7 +361,7 @@ def test_only_modules_that_define_triton_kernels_are_imported(tmp_path, monkeypa
     (pkg / "sub" / "effects.py").write_text("import sys\nsys.path.insert(0, '/kwarm-was-here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     why = triton_compat.not_a_kernel_module("allowedpkg.sub.effects")
-    assert why == "module allowedpkg.sub.effects defines no Triton kernel (no triton.jit or @jit); not imported"
+    assert why == "module allowedpkg.sub.effects defines no Triton kernel (no function decorated with triton.jit); not imported"
     with pytest.raises(triton_compat.Unresolvable, match="defines no Triton kernel"):
         triton_compat.resolve("allowedpkg.sub.effects", "kernel")
     assert "/kwarm-was-here" not in sys.path and "allowedpkg.sub.effects" not in sys.modules
@@ -334,6 +369,28 @@ def test_only_modules_that_define_triton_kernels_are_imported(tmp_path, monkeypa
     assert "defines no Triton kernel" in triton_compat.not_a_kernel_module("kwarm_ext._bootstrap.sitecustomize")
     assert triton_compat.not_a_kernel_module("replay_kernels") is None
     assert "no Python source" in triton_compat.not_a_kernel_module("allowedpkg.missing")
+
+
+def test_11_a_comment_or_string_that_mentions_triton_jit_defines_no_kernel(tmp_path, monkeypatch):
+    pkg = tmp_path / "allowedpkg11"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "effects.py").write_text("import os  # @triton.jit\nos.environ['KWARM_WAS_HERE'] = 'triton.jit'\n"
+                                    "def kernel():\n    return '@jit'\n")
+    (pkg / "kernels.py").write_text("import triton\n@triton.autotune(configs=[], key=[])\n@triton.jit(do_not_specialize=['n'])\n"
+                                    "def k1(x):\n    pass\n@jit\ndef k2(x):\n    pass\nk3 = triton.jit(k2)\n"
+                                    "def helper():\n    pass\n")
+    (pkg / "broken.py").write_text("@triton.jit\ndef k(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "defines no Triton kernel" in triton_compat.not_a_kernel_module("allowedpkg11.effects")
+    with pytest.raises(triton_compat.Unresolvable, match="defines no Triton kernel"):
+        triton_compat.resolve("allowedpkg11.effects", "kernel")
+    assert "KWARM_WAS_HERE" not in os.environ and "allowedpkg11.effects" not in sys.modules
+    assert triton_compat.jit_names((pkg / "kernels.py").read_text()) == {"k1", "k2", "k3"}
+    assert triton_compat.not_a_kernel_module("allowedpkg11.kernels", "k1") is None
+    assert triton_compat.not_a_kernel_module("allowedpkg11.kernels", "helper") == \
+        "module allowedpkg11.kernels defines no Triton kernel helper; not imported"
+    assert "does not parse" in triton_compat.not_a_kernel_module("allowedpkg11.broken")
 
 
 # ---------------------------------------------------------------------------- 10-12. configuration

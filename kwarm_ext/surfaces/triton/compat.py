@@ -113,7 +113,22 @@ class ResolvedKernel:
         return self.jit.cache_key
 
 
-KERNEL_MARKS = ("triton.jit", "@jit")
+def jit_names(source: str) -> set:
+    """The module-level names the source defines as Triton kernels, read from its syntax tree
+    (a comment or a string mentioning ``triton.jit`` defines none): functions decorated with
+    ``*.jit``/``jit`` (called or not, under ``autotune``/``heuristics`` too) and names assigned
+    a call of it (``kernel = triton.jit(fn)``)."""
+    def is_jit(node) -> bool:
+        node = node.func if isinstance(node, ast.Call) else node
+        return (isinstance(node, ast.Name) and node.id == "jit") or (isinstance(node, ast.Attribute) and node.attr == "jit")
+
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(is_jit(d) for d in node.decorator_list):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and is_jit(node.value):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
 
 
 def module_source(module: str) -> str | None:
@@ -154,20 +169,26 @@ def module_source(module: str) -> str | None:
     return origin if origin and origin.endswith(".py") and os.path.isfile(origin) else None
 
 
-def not_a_kernel_module(module: str) -> str | None:
-    """Why replay will not import `module` (None when it may): only a module whose source
-    defines Triton kernels is imported, so that a manifest cannot choose the side effects of
-    importing anything else under an allowed prefix."""
+def not_a_kernel_module(module: str, qualname: str | None = None) -> str | None:
+    """Why replay will not import `module` (None when it may): only a module whose source, parsed
+    on disk before anything of it runs, defines Triton kernels (and `qualname`'s top-level name
+    among them) is imported, so that a manifest cannot choose the side effects of importing
+    anything else under an allowed prefix."""
     path = module_source(module)
     if path is None:
         return f"module {module} has no Python source to check; not imported"
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read(4 << 20)
+        kernels = jit_names(text)
     except OSError as exc:
         return f"module {module}: cannot read {path} ({exc.strerror}); not imported"
-    if not any(mark in text for mark in KERNEL_MARKS):
-        return f"module {module} defines no Triton kernel (no {' or '.join(KERNEL_MARKS)}); not imported"
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return f"module {module}: {path} does not parse; not imported"
+    if not kernels:
+        return f"module {module} defines no Triton kernel (no function decorated with triton.jit); not imported"
+    if qualname is not None and qualname.split(".")[0] not in kernels:
+        return f"module {module} defines no Triton kernel {qualname.split('.')[0]}; not imported"
     return None
 
 
@@ -185,7 +206,7 @@ def resolve(module: str, qualname: str, *, import_missing: bool = True) -> Resol
     if mod is None:
         if not import_missing:
             raise Unresolvable(f"module {module} is not imported")
-        why = not_a_kernel_module(module)
+        why = not_a_kernel_module(module, qualname)
         if why:
             raise Unresolvable(why)
         try:
