@@ -15,6 +15,10 @@ How:
     Plugins load where they would have loaded anyway, once; a plugin that fails to load
     fails here as it would on the first request, as one warning.
 
+Upstream: vLLM 0.33 and later load the plugins when they build the ``InputProcessor``
+(``validate_logits_processors_params``), and 0.34 removed ``vllm.v1.sample.logits_processor``:
+there the warmup says so and does nothing.
+
 This is the ``frontend`` entry of ``KWARM_WARMUPS``; the worker's summary line lists it as
 skipped, since it runs in the front end.
 """
@@ -34,6 +38,11 @@ def warm(input_processor) -> float | None:
     """Load the logits-processor plugins for `input_processor`'s model; seconds, or None
     when KWARM_WARMUPS leaves the front end out. Raises what vLLM's call raises."""
     if not config.get().warmups.wants(NAME):
+        return None
+    if callable(getattr(input_processor, "validate_logits_processors_params", None)):
+        # vLLM 0.33+ loads the plugins in InputProcessor.__init__ (0.34 removed the module below)
+        logger.info("kwarm: front end: vLLM loaded the logits-processor plugins when it built its "
+                    "InputProcessor: covered upstream, nothing to do")
         return None
     from vllm.sampling_params import SamplingParams
     from vllm.v1.sample.logits_processor import validate_logits_processors_parameters

@@ -46,3 +46,19 @@ def test_a_plugin_that_fails_to_load_is_one_warning(strict):
         assert r["raised"] is None
         warnings = [m for m in r["logs"] if "front-end warmup failed" in m]
         assert len(warnings) == 1, r["logs"]
+
+
+def test_where_vllm_loads_the_plugins_itself_the_front_end_does_nothing(monkeypatch, kwarm_log):
+    """vLLM 0.33+: ``InputProcessor.__init__`` builds ``validate_logits_processors_params``, and 0.34
+    has no ``vllm.v1.sample.logits_processor``: no import of it, no warning, one info line."""
+    import sys
+    import types
+
+    from kwarm_ext import frontend
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.sample.logits_processor", None)  # as on 0.34: import fails
+    processor = types.SimpleNamespace(validate_logits_processors_params=lambda params: None,
+                                      model_config=types.SimpleNamespace(logits_processors=None))
+    assert frontend.warm(processor) is None
+    assert kwarm_log.messages() == []
+    assert any("covered upstream" in m for m in kwarm_log.messages(0))
