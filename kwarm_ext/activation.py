@@ -19,6 +19,7 @@ reaches them; with it, door 1 or 3 opens there.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from kwarm_ext import config
@@ -39,6 +40,8 @@ def activate(source: str = "api") -> bool:
             SOURCES.append(source)
             if _active:
                 return True
+            if _prints_json():
+                os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the JSON's
             settings = config.get()
             from kwarm_ext import patches
 
@@ -53,6 +56,13 @@ def activate(source: str = "api") -> bool:
         if _strict():
             raise
         return False
+
+
+def _prints_json() -> bool:
+    """Whether this process is kwarm's own CLI asked for JSON (``kwarm doctor --json``): its log
+    lines, kwarm's and vLLM's, then go to stderr."""
+    argv = [*getattr(sys, "orig_argv", []), *getattr(sys, "argv", [])]
+    return "--json" in argv and any(os.path.basename(a) == "kwarm" or a == "kwarm_ext.cli" for a in argv)
 
 
 RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"

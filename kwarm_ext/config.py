@@ -199,8 +199,10 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
         known_families = selectable()
     problems: list[str] = []
 
-    def bad(var, value, default, why):
-        problems.append(f"{var}={value!r} is invalid ({why}); using the default {default!r}")
+    def bad(var, value, default, why, in_force=None):
+        """One problem line naming the value in force: the default, or (`in_force`) what of the value was kept."""
+        using = f"using the default {default!r}" if in_force is None else f"using {in_force!r}"
+        problems.append(f"{var}={value!r} is invalid ({why}); {using}")
 
     def boolean(var, default=False):
         raw = env.get(var)
@@ -330,8 +332,10 @@ def _parse_allow_modules(raw, bad) -> tuple:
     good = tuple(item for item in items if _MODULE_PREFIX.fullmatch(item))
     wrong = [item for item in items if item not in good]
     if wrong:
-        bad("KWARM_ALLOW_MODULES", raw, ",".join(good) or "",
-            f"not module names: {', '.join(wrong)}")
+        if good:
+            bad("KWARM_ALLOW_MODULES", raw, "", f"not module names: {', '.join(wrong)}", in_force=",".join(good))
+        else:
+            bad("KWARM_ALLOW_MODULES", raw, "", f"not module names: {', '.join(wrong)}")
     return good
 
 
@@ -353,16 +357,27 @@ def _parse_warmups(raw, known, bad) -> WarmupSelection:
             unknown.append(item)
             continue
         (excluded if item.startswith("-") else forced).add(name)
-    if unknown:
-        bad("KWARM_WARMUPS", raw, "*", f"unknown famil{'y' if len(unknown) == 1 else 'ies'} "
-            f"{', '.join(unknown)}; known: {', '.join(known)}")
-        if not forced and not include_all:
-            include_all = True  # the whole value was unusable: fall back to the default
+    usable = forced or include_all or excluded or none
+    if not forced and not include_all:
+        include_all = True  # only exclusions were given ("everything but these"), or nothing usable
     if none:
         excluded |= set(known) - forced
-    if not forced and not include_all:
-        include_all = True  # only exclusions were given: "everything but these"
-    return WarmupSelection(include_all, frozenset(forced), frozenset(excluded))
+    selection = WarmupSelection(include_all, frozenset(forced), frozenset(excluded))
+    if unknown:
+        why = f"unknown famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; known: {', '.join(known)}"
+        if usable:
+            bad("KWARM_WARMUPS", raw, "*", why, in_force=_selection_text(selection, known))
+        else:
+            bad("KWARM_WARMUPS", raw, "*", why)
+    return selection
+
+
+def _selection_text(selection, known) -> str:
+    """The value that selects what `selection` does: "*,-a", "a,b", or the names it keeps."""
+    kept = [n for n in known if selection.wants(n)]
+    if selection.include_all and len(selection.excluded) <= len(known) / 2:
+        return ",".join(["*", *(f"-{n}" for n in sorted(selection.excluded))])
+    return ",".join(sorted(set(kept) | set(selection.forced))) or "-*"
 
 
 _settings: Settings | None = None

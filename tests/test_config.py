@@ -92,3 +92,22 @@ def test_frontend_is_a_selectable_name_not_a_worker_family():
     settings = config.parse({"KWARM_WARMUPS": "frontend"})
     assert settings.problems == () and settings.warmups.wants("frontend")
     assert not settings.warmups.wants("runner")
+
+
+@pytest.mark.parametrize("var, raw, message", [
+    ("KWARM_WARMUPS", "-nosuch,qwen_gdn", "using 'qwen_gdn'"),
+    ("KWARM_WARMUPS", "*,-runner,bogus", "using '*,-runner'"),
+    ("KWARM_WARMUPS", "-*,bogus", "using '-*'"),
+    ("KWARM_WARMUPS", "bogus", "using the default '*'"),
+    ("KWARM_ALLOW_MODULES", "os,../x,", "using 'os'"),
+    ("KWARM_ALLOW_MODULES", "../x", "using the default ''"),
+])
+def test_a_warning_names_the_value_in_force(var, raw, message):
+    known = ("runner", "qwen_gdn", "dsa_indexer")
+    s = config.parse({var: raw}, known_families=known)
+    (problem,) = s.problems
+    assert problem.endswith(message), problem
+    if var == "KWARM_WARMUPS" and message != "using the default '*'":
+        in_force = message.split("'")[1]
+        assert [n for n in known if s.warmups.wants(n)] == \
+            [n for n in known if config.parse({var: in_force}, known_families=known).warmups.wants(n)]

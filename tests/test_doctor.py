@@ -171,3 +171,15 @@ def test_doctor_says_whether_flashinfer_can_build_its_jit_modules(tmp_path, monk
         tool.chmod(0o755)
     ok = doctor_module.flashinfer_jit({"CUDA_HOME": str(cuda), "PATH": str(bins)})
     assert ok["can_build"] and ok["nvcc"] == str(cuda / "bin" / "nvcc") and ok["ninja"] == str(bins / "ninja")
+
+
+def test_doctor_json_stays_json_when_kwarm_is_enabled_with_a_bad_setting():
+    """The .pth door activates kwarm in the CLI's own process and logs the bad setting: to stderr
+    when the CLI prints JSON, so that `kwarm doctor --json | jq` works."""
+    kwarm = Path(sys.executable).parent / "kwarm"
+    proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
+                          env=clean_env(KWARM_ENABLE="1", KWARM_BUDGET="fast", CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert any("KWARM_BUDGET='fast'" in p for p in r["config_problems"])
+    assert "KWARM_BUDGET='fast' is invalid" in proc.stderr

@@ -94,7 +94,7 @@ def test_new_settings_parse_with_defaults():
     ("KWARM_MANIFEST", "/", "KWARM_MANIFEST='/' is invalid (it is a directory; give a file path); "
                             "using the default None"),
     ("KWARM_ALLOW_MODULES", "good., bad name, 9x", "KWARM_ALLOW_MODULES='good., bad name, 9x' is invalid "
-                                                   "(not module names: bad name, 9x); using the default 'good.'"),
+                                                   "(not module names: bad name, 9x); using 'good.'"),
 ])
 def test_bad_values_each_get_one_clear_problem(var, value, expect):
     assert config.parse({var: value}, known_families=()).problems == (expect,)
