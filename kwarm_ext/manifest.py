@@ -293,7 +293,9 @@ def parse(text: str) -> Manifest:
                 problems.item(raw, exc)
         manifest.merge(**{field: good})
     manifest.merge(token_counts=_token_counts(data.get("token_counts", []), problems))
-    manifest.merge(surfaces=_surfaces(data.get("surfaces", {}), problems))
+    from kwarm_ext import surfaces as registry
+
+    manifest.merge(surfaces=registry.parse_sections(data.get("surfaces", {}), problems, printable))
     manifest.problems, manifest.more_problems = problems.kept, problems.more
     return manifest
 
@@ -318,37 +320,6 @@ class _Problems:
             self.kept.append((_raw_label(raw), f"malformed: {printable(exc)}"))
         else:
             self.more += 1
-
-
-def _surfaces(raw, problems: list) -> dict:
-    """The other surfaces' sections: name -> (version, items); a section or an item that does
-    not parse is one problem line."""
-    from kwarm_ext import surfaces as registry
-
-    if not isinstance(raw, dict):
-        problems.append(("surfaces", "malformed: not an object"))
-        return {}
-    names = {s.name: s for s in registry.with_sections()}
-    out = {}
-    for name, section in raw.items():
-        label = f"surface {printable(name, 40)}"
-        if name not in names:
-            problems.append((label, "not a surface this kwarm knows: ignored"))
-            continue
-        if not isinstance(section, dict) or not isinstance(section.get("items"), list) or \
-                not (section.get("version") is None or (type(section["version"]) is str and len(section["version"]) <= 100)):
-            problems.append((label, "malformed: not {\"version\": string, \"items\": [...]}"))
-            continue
-        items, raw_items = [], section["items"]
-        if len(raw_items) > registry.MAX_ITEMS:
-            problems.append((label, f"malformed: {len(raw_items) - registry.MAX_ITEMS} items past the first {registry.MAX_ITEMS} dropped"))
-        for i, item in enumerate(raw_items[:registry.MAX_ITEMS]):
-            try:
-                items.append(names[name].parse_item(item))
-            except (TypeError, ValueError, KeyError, RecursionError) as exc:
-                problems.append((f"{name} item {i}", f"malformed: {printable(exc)}"))
-        out[name] = (section["version"], items)
-    return out
 
 
 def _token_counts(raw, problems: list) -> list:

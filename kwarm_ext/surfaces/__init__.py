@@ -88,3 +88,34 @@ def every() -> list:
 def with_sections() -> list:
     """The surfaces whose items live in the manifest's shared ``surfaces`` section."""
     return [s for s in every() if s.name != "triton"]
+
+
+def parse_sections(raw, problems, printable) -> dict:
+    """A manifest's ``surfaces`` object, untrusted: name -> (version, items) of the surfaces this
+    kwarm knows; a section or an item that does not parse is one problem (label, reason), its text
+    escaped by `printable` (``kwarm_ext.manifest.printable``)."""
+    if not isinstance(raw, dict):
+        problems.append(("surfaces", "malformed: not an object"))
+        return {}
+    known = {s.name: s for s in with_sections()}
+    out = {}
+    for name, section in raw.items():
+        label = f"surface {printable(name, 40)}"
+        if name not in known:
+            problems.append((label, "not a surface this kwarm knows: ignored"))
+            continue
+        version = section.get("version") if isinstance(section, dict) else None
+        if not isinstance(section, dict) or not isinstance(section.get("items"), list) or \
+                not (version is None or (type(version) is str and len(version) <= 100)):
+            problems.append((label, "malformed: not {\"version\": string, \"items\": [...]}"))
+            continue
+        items, raw_items = [], section["items"]
+        if len(raw_items) > MAX_ITEMS:
+            problems.append((label, f"malformed: {len(raw_items) - MAX_ITEMS} items past the first {MAX_ITEMS} dropped"))
+        for i, item in enumerate(raw_items[:MAX_ITEMS]):
+            try:
+                items.append(known[name].parse_item(item))
+            except (TypeError, ValueError, KeyError, RecursionError) as exc:
+                problems.append((f"{name} item {i}", f"malformed: {printable(exc)}"))
+        out[name] = (version, items)
+    return out
