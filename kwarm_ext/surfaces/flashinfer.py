@@ -284,20 +284,26 @@ def _wrap_build_and_load(wrapped, instance, args, kwargs):
 
 FLASHINFER_BUILD = Patch("flashinfer.jit.core", "build_and_load", _wrap_build_and_load, "FlashInfer 0.6-0.7",
                          "FlashInfer JIT builds are neither counted nor learned", owner="JitSpec")
-_patched = False
+_hook_registered = False
 
 
 def _ensure_patched() -> None:
-    """Apply the wrapper now or when FlashInfer's JIT is imported (activation installs it with every
+    """Apply the wrapper now if FlashInfer's JIT is imported and the wrapper is not on it (anyone may
+    have removed it: ``Patch.remove``), else when it is imported (activation installs it with every
     other patch, kwarm_ext/patches.py; a process that only counts needs it too)."""
-    global _patched
-    if _patched:
-        return
-    import wrapt
+    global _hook_registered
 
     def apply(module) -> None:
         with fail_open(f"could not wrap {FLASHINFER_BUILD.target}, {FLASHINFER_BUILD.lost}"):
             FLASHINFER_BUILD.apply(module)
 
-    wrapt.register_post_import_hook(apply, FLASHINFER_BUILD.module)
-    _patched = True
+    module = sys.modules.get(FLASHINFER_BUILD.module)
+    if module is not None:
+        if not FLASHINFER_BUILD.applied(module):
+            apply(module)
+        return
+    if not _hook_registered:
+        import wrapt
+
+        wrapt.register_post_import_hook(apply, FLASHINFER_BUILD.module)
+        _hook_registered = True
