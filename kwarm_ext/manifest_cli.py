@@ -76,7 +76,8 @@ def render(path: str, data) -> str:
     lines = [f"{safe(path)}", f"  stamp: triton {safe(s.triton)}, {safe(s.arch)}, torch {safe(s.torch)}, "
                               f"vllm {safe(s.vllm)}, tp {s.tp_size}, model {safe(s.model)}",
              f"  {len(data.entries)} entries, {len(data.autotune)} autotune choices, "
-             f"{len(data.kernels())} kernels"]
+             f"{len(data.kernels())} kernels, {len(data.token_counts)} learned step sizes"
+             + (f" ({_ranges(sorted(data.token_counts))})" if data.token_counts else "")]
     for kernel, group in data.kernels().items():
         first = (group["entries"] or group["autotune"])[0]
         lines.append(f"  {kernel}  (source {first.source_key[:10]}): {len(group['entries'])} entries"
@@ -91,6 +92,18 @@ def render(path: str, data) -> str:
     if data.more_problems:
         lines.append(f"  dropped {data.more_problems} more malformed items (not listed)")
     return "\n".join(manifest.printable(line, LINE_LIMIT) for line in lines)
+
+
+def _ranges(values: list, limit: int = 12) -> str:
+    """``1-64, 96, 128-130``: sorted ints as runs, at most `limit` runs shown."""
+    runs: list = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:limit])
+    return text + (f", ... ({len(runs) - limit} more runs)" if len(runs) > limit else "")
 
 
 def describe_entry(entry: Entry) -> str:
@@ -237,5 +250,6 @@ def merge(paths: list, output: str) -> int:
         return 2
     if result.note:
         _out(f"{output}: {result.note}")
-    _out(f"merged {len(inputs)} manifests into {result.path}: {result.total} items ({result.added} new)")
+    _out(f"merged {len(inputs)} manifests into {result.path}: {result.total} items "
+         f"({result.added - result.new_step_sizes} new), {result.step_sizes} step sizes ({result.new_step_sizes} new)")
     return 1 if refused else 0

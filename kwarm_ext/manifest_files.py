@@ -132,6 +132,8 @@ class SaveResult:
     added: int
     total: int
     note: str | None = None  # why an existing file was replaced rather than merged
+    step_sizes: int = 0  # learned step sizes in the file (not in `total`)
+    new_step_sizes: int = 0  # of them, added by this save (in `added`)
 
 
 def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surfaces=None) -> SaveResult:
@@ -149,10 +151,12 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surf
         check_writable_target(path)
         _remove_stale_temporaries(path)
         current, note = _existing(path, stamp)
+        counts_before = len(current.token_counts)
         added = current.merge(entries, autotune, token_counts, surfaces)
         if added or note or not os.path.exists(path):
             _write_atomic(path, current.as_json())
-    return SaveResult(path, added, len(current.entries) + len(current.autotune) + current.surface_items(), note)
+    return SaveResult(path, added, len(current.entries) + len(current.autotune) + current.surface_items(), note,
+                      len(current.token_counts), len(current.token_counts) - counts_before)
 
 
 def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:

@@ -441,10 +441,13 @@ def test_manifest_merge(tmp_path):
     proc = kwarm_cli("manifest", "merge", str(rank0), str(rank1), str(other), "-o", str(out))
     assert proc.returncode == 1, proc.stderr
     assert f"{other}: not merged: recorded for GPU architecture cuda:80, this GPU is cuda:90" in proc.stdout
-    assert f"merged 2 manifests into {out}: 3 items (3 new)" in proc.stdout
+    assert f"merged 2 manifests into {out}: 3 items (3 new), 0 step sizes (0 new)" in proc.stdout
     assert len(manifest_files.load(str(out)).entries) == 3
+    manifest_files.save(str(rank0), STAMP, token_counts=[1, 2, 3, 8, 512])
     proc = kwarm_cli("manifest", "merge", str(rank0), "-o", str(out))
-    assert proc.returncode == 0 and "3 items (0 new)" in proc.stdout
+    assert proc.returncode == 0 and "3 items (0 new), 5 step sizes (5 new)" in proc.stdout  # items and counts apart
+    shown = kwarm_cli("manifest", "show", str(out)).stdout
+    assert "3 entries, 0 autotune choices, 1 kernels, 5 learned step sizes (1-3, 8, 512)" in shown
     assert kwarm_cli("manifest", "merge", str(tmp_path / "nope.json"), "-o", str(out)).returncode == 2
 
 
