@@ -214,9 +214,28 @@ def _applies_here(family, settings, vllm: str | None, here: dict) -> str:
     return "yes, where the engine's model has what it warms"
 
 
+def verdict(r: dict) -> list:
+    """The first lines: whether kwarm would act here, on which families, and why not on the others."""
+    h, g = r["hook_target"], r["gpu"]
+    hook = (f"found (patched={'yes' if h.get('patched') else 'no'})" if h.get("found")
+            else f"not found ({h.get('error') or 'unknown'})")
+    runs = [n for n, f in r["families"].items() if f["here"].startswith("yes")]
+    elsewhere = [n for n, f in r["families"].items() if f["here"].startswith("in vLLM's")]
+    reasons: dict = {}
+    for n, f in r["families"].items():
+        if f["here"].startswith("no"):
+            reasons.setdefault(f["here"][4:], []).append(n)
+    lines = [f"  worker hook: {hook}; GPU: {g['name'] + ' x ' + str(g['count']) if g['available'] else 'none'}",
+             f"  families that run here: {', '.join(runs) or 'none'}"
+             + (f"; in vLLM's other processes: {', '.join(elsewhere)}" if elsewhere else "")]
+    lines += [f"  not here ({why}): {', '.join(names)}" for why, names in reasons.items()]
+    lines += [f"  problem: {p}" for p in r["config_problems"]]
+    return lines
+
+
 def render(r: dict) -> str:
     yes = lambda b: "yes" if b else "no"  # noqa: E731
-    lines = [f"kwarm {r['kwarm']}: {r['enable_text']}", "", "versions:"]
+    lines = [f"kwarm {r['kwarm']}: {r['enable_text']}", *verdict(r), "", "versions:"]
     lines += [f"  {k:8s} {v or 'not installed'}" for k, v in r["versions"].items()]
     g = r["gpu"]
     lines += ["", f"GPU: {g['name']} x {g['count']}" if g["available"] else

@@ -72,6 +72,14 @@ def test_doctor_text_and_help():
     text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True, env=clean_env(CUDA_VISIBLE_DEVICES=""))
     assert text.returncode == 0
     assert "hook target: vllm.v1.worker.gpu_worker.kernel_warmup found=yes" in text.stdout
+    first = text.stdout.splitlines()[:5]  # the verdict first: would kwarm act here, and why not
+    assert first[1].startswith("  worker hook: found") and first[1].endswith("GPU: none"), first
+    assert first[2] == "  families that run here: none", first
+    assert first[3].startswith("  not here (kwarm is disabled (KWARM_ENABLE)): ") and "runner" in first[3], first
+    enabled = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
+                             env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES="")).stdout.splitlines()
+    assert enabled[2] == "  families that run here: none; in vLLM's other processes: frontend, structured_output"
+    assert enabled[3].startswith("  not here (no CUDA GPU is visible"), enabled[:5]
     help_ = subprocess.run([str(kwarm), "--help"], capture_output=True, text=True, env=clean_env())
     assert "kwarm run" in help_.stdout and "KWARM_WARMUPS" in help_.stdout
 
