@@ -41,6 +41,9 @@ CASES = {
                "llama": dict(model_type="llama"), "pooling": dict(pooling=True), "unbound": dict(bound=False)},
     "0.26.0": {"eager": {}, "spec": dict(num_spec=2)},
     "0.28.0": {"eager": {}, "forced": dict(forced=True)},
+    "0.33.0": {"checkpoint": dict(checkpoint=True), "checkpoint_qwen3_5_spec": dict(
+        checkpoint=True, model_type="qwen3_5", num_spec=2), "checkpoint_one_seq": dict(checkpoint=True, max_reqs=1),
+               "no_checkpoint": {}},
 }
 
 
@@ -203,7 +206,8 @@ def test_spec_decode_strides_not_covered_upstream():
 
 def test_forced_runs_what_upstream_covers():
     result = _run("0.28.0", "forced")
-    assert not [s for s in result["steps"] if s["skip"]]
+    assert [s["skip"] for s in result["steps"] if s["skip"]] == [
+        "no prefill checkpoint export in this vLLM (0.33+)"]
     assert _ran(result, "causal_conv1d_fn") == ["seqlen=1,pitch=1024"]
     assert len(_ran(result, "fused_post_conv_prep")) == 6
     assert _ran(result, "sigmoid_gating") == ["non-spec,index_stride=1"]
@@ -265,3 +269,34 @@ print("RESULT " + json.dumps([fam.has_mixed_split_path(), fam.param_mode(kernel,
 """, release="0.33.0", env=cpu_triton_env(), timeout=240)
     assert result_of(proc) == [True, "absent", "class", True, True,
                                          ["QwenGatedDeltaNetAttention", "GatedDeltaNetAttention"]]
+
+
+def test_prefill_checkpoint_export():
+    """0.33+ with prefix caching and FlashInfer's GDN prefill: vLLM's real exporter launches the real
+    store_cache_checkpoints_kernel once per reachable key: the recurrent_rows slice 16-byte aligned
+    (odd prefill count) and 8 bytes off (even), with the layer's bound states and nothing written."""
+    result = _run("0.33.0", "checkpoint")
+    assert _ran(result, "prefill_checkpoint") == ["pitch=1024,rows_aligned=y", "pitch=1024,rows_aligned=n"]
+    calls = result["seen"]["checkpoint"]
+    assert [c["rows16"] for c in calls] == [True, False]
+    assert all(c["bound"] and c["HAS_RECURRENT"] and c["HAS_RECURRENT_ROWS"] and not c["HAS_TOKEN_MAP"]
+               for c in calls)
+    # the production constexprs: the view's pitch, the window, the workspace row (hv*V*K, float32)
+    assert {(c["x_stride_0"], c["STATE_LEN"], c["WIDTH"], c["RECURRENT_ROW_SIZE"], c["NULL_STATE_IDX"])
+            for c in calls} == {(1024, 3, 1024, 4 * 128 * 128, 0)}
+    assert calls[0]["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.int32", "torch.int64"]
+    assert result["states_untouched"]
+
+
+def test_prefill_checkpoint_variants():
+    """Qwen3.5 with speculative decoding: the split view's pitch and index_select's dense rows; one
+    sequence per batch: only the aligned rows slice; without checkpoints: a step that says why."""
+    spec = _run("0.33.0", "checkpoint_qwen3_5_spec")
+    assert _ran(spec, "prefill_checkpoint") == [
+        "pitch=1536,rows_aligned=y", "pitch=1536,rows_aligned=n",
+        "pitch=1024,rows_aligned=y", "pitch=1024,rows_aligned=n"]
+    assert [c["x_stride_0"] for c in spec["seen"]["checkpoint"]] == [1536, 1536, 1024, 1024]
+    assert _ran(_run("0.33.0", "checkpoint_one_seq"), "prefill_checkpoint") == ["pitch=1024,rows_aligned=y"]
+    assert _skips(_run("0.33.0", "no_checkpoint"), "prefill_checkpoint") == [
+        "no prefill checkpoints: they are exported with prefix caching (mamba_cache_mode=align) and "
+        "FlashInfer's GDN prefill"]

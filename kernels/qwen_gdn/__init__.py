@@ -43,6 +43,9 @@ How:
     - ``causal_conv1d_update`` (batch ∈ {1, 2, 16}) and
       ``fused_recurrent_gated_delta_rule_packed_decode``: only when CUDA-graph capture will
       not compile them (enforce_eager, or a cudagraph mode without FULL).
+    - ``MambaPrefillCheckpointExporter.export`` → ``store_cache_checkpoints_kernel`` (0.33+), when
+      the layer exports prefix-cache checkpoints (prefix caching with FlashInfer's GDN prefill):
+      see ``checkpoint.py``.
     - ``layer_norm_fwd_kernel`` via the layer's ``norm.forward_cuda`` (``RMSNormGated``),
       only when the norm dispatches to it (or the 0.28 fused-norm path calls it): one M per
       (integer class of M, ROWS_PER_BLOCK) reachable with M = tokens · HV_local,
@@ -75,13 +78,14 @@ from kwarm_ext.upstream import upstream_qwen_module
 from kwarm_ext.kernels.qwen_gdn.common import (
     LAYER_CLASSES, MODEL_TYPE_PREFIXES, MODEL_TYPES, NAME, TRITON_KERNELS, bound_states, decode_runs_eagerly,
     distinct_layers, fla, has_mixed_split_path, max_num_tokens)
+from kwarm_ext.kernels.qwen_gdn.checkpoint import _checkpoint_steps
 from kwarm_ext.kernels.qwen_gdn.decode import _decode_steps
 from kwarm_ext.kernels.qwen_gdn.norm import _norm_steps
 from kwarm_ext.kernels.qwen_gdn.prefill import _conv_steps, _post_conv_steps, _sigmoid_steps
 from kwarm_ext.surfaces.triton.compat import param_mode
 
 # The family's parts (one module each, beside the shapes and helpers they share in common):
-# prefill, decode and norm. What the tests and the family table read:
+# prefill, prefill checkpoints, decode and norm. What the tests and the family table read:
 __all__ = ["applies", "plan", "NAME", "TRITON_KERNELS", "fla", "has_mixed_split_path", "param_mode"]
 
 
@@ -115,6 +119,7 @@ def plan(view, forced: bool) -> list:
         up = upstream if work.upstream else None
         steps += _conv_steps(work, tag, up, max_tokens)
         steps += _post_conv_steps(work, tag, up, max_tokens, split_path)
+        steps += _checkpoint_steps(work, tag, view)
         packed = bool(getattr(work.layer, "enable_packed_recurrent_decode", True))
         if split_path or (decode_eager and not packed):
             steps += _sigmoid_steps(work, tag, up)

@@ -15,7 +15,8 @@ NAME = "qwen_gdn"
 # The Triton kernels this family compiles at start (bench/table.py names their owner from these).
 TRITON_KERNELS = ("_causal_conv1d_fwd_kernel", "_causal_conv1d_update_kernel", "_fused_post_conv_kernel",
                   "fused_sigmoid_gating_delta_rule_update_kernel",
-                  "fused_recurrent_gated_delta_rule_packed_decode_kernel", "layer_norm_fwd_kernel")
+                  "fused_recurrent_gated_delta_rule_packed_decode_kernel", "layer_norm_fwd_kernel",
+                  "store_cache_checkpoints_kernel")
 
 MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 MODEL_TYPE_PREFIXES = ("qwen4_exp",)

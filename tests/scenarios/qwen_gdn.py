@@ -24,6 +24,10 @@ SMS = 132
 LAYER_CLS = resolve("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention",
                     "vllm.model_executor.layers.mamba.gdn_linear_attn:GatedDeltaNetAttention")
 NORM_CLS = resolve("vllm.model_executor.layers.layernorm:RMSNormGated")
+try:  # 0.33+: prefill checkpoints of prefix caching
+    import vllm.model_executor.layers.mamba.checkpoint as CHECKPOINT
+except ImportError:
+    CHECKPOINT = None
 
 # What the recorders saw in the current case, and the bound caches of its layer.
 seen = {}
@@ -72,6 +76,32 @@ def spy(mod, attr, record):
     setattr(mod, attr, wrapper)
 
 
+class CheckpointSpy:
+    """Around the real store_cache_checkpoints_kernel (0.33+): records the arguments its Triton key
+    reads, then launches the real kernel."""
+
+    def __init__(self, real):
+        self.real = real
+        self.names = list(inspect.signature(real.fn).parameters)
+
+    def __getitem__(self, grid):
+        launch = self.real[grid]
+
+        def record(*args, **kwargs):
+            named = dict(zip(self.names, args), **kwargs)
+            rec = {k: (v if isinstance(v, (int, bool)) else None) for k, v in named.items()
+                   if not k.endswith("_ptr")}
+            rec = {k: v for k, v in rec.items() if v is not None}
+            rec["rows16"] = ptr16(named["recurrent_rows_ptr"])
+            rec["bound"] = (named["conv_state_ptr"].data_ptr() == conv_cache.data_ptr()
+                            and named["recurrent_state_ptr"].data_ptr() == ssm_cache.data_ptr())
+            rec["dtypes"] = [str(named[k].dtype) for k in ("x_ptr", "recurrent_checkpoint_ptr",
+                                                             "checkpoint_state_indices_ptr", "recurrent_rows_ptr")]
+            seen["checkpoint"].append(rec)
+            return launch(*args, **kwargs)
+        return record
+
+
 def install_recorders():
     """CPU settings (no pinned memory, an H200's SM count) and the recorders around the kernels."""
     norm_mod = sys.modules[fam.fla("layernorm_guard", "layer_norm_fwd").__module__]
@@ -85,6 +115,8 @@ def install_recorders():
             if hasattr(mod, "num_compute_units"):
                 mod.num_compute_units = lambda index=None: SMS
     conv_mod._causal_conv1d_fwd_kernel = ConvRecorder(conv_mod._causal_conv1d_fwd_kernel)
+    if CHECKPOINT is not None:
+        CHECKPOINT.store_cache_checkpoints_kernel = CheckpointSpy(CHECKPOINT.store_cache_checkpoints_kernel)
     spy(post_mod, "fused_post_conv_prep", lambda a: seen["post_conv"].append(dict(
         L=a["conv_output"].shape[0], x_tok=a["conv_output"].stride(0), x16=ptr16(a["conv_output"]),
         a_tok=a["a"].stride(0), a16=ptr16(a["a"]), b16=ptr16(a["b"]))))
@@ -132,18 +164,25 @@ def build_layer(args, config):
     conv_cache = torch.randn((blocks, conv_dim, W - 1) if dim_first else (blocks, W - 1, conv_dim), dtype=bf16)
     ssm_cache = torch.randn((blocks, hv, V, K), dtype=torch.float32)
     layer.kv_cache = (conv_cache, ssm_cache) if args["bound"] else (torch.tensor([]), torch.tensor([]))
+    if args.get("checkpoint"):  # what __init__ sets with mamba_cache_mode=align and FlashInfer's GDN prefill
+        layer._checkpoint_exporter = CHECKPOINT.MambaPrefillCheckpointExporter(state_len=W - 1)
+        layer.gdn_prefill_backend = "flashinfer"
+        # cached properties that read the vLLM config: the values they take with a 64-token grid
+        layer.__dict__.update(_exports_checkpoints=True,
+                              _checkpoint_buffer_spec=((-(-args["max_tokens"] // 64), hv, V, K), torch.float32))
     snapshot = (conv_cache.clone(), ssm_cache.clone())
     return layer, snapshot
 
 
 def run_case(args, config):
     global seen
-    seen = {"conv_fwd": [], "post_conv": [], "sigmoid": [], "update": [], "packed": [], "norm": []}
+    seen = {"conv_fwd": [], "post_conv": [], "sigmoid": [], "update": [], "packed": [], "norm": [],
+            "checkpoint": []}
     layer, snapshot = build_layer(args, config)
     context = {"model.layers.0.linear_attn": layer, "model.layers.3.self_attn.attn": types.SimpleNamespace()}
     view = EngineView(runner=types.SimpleNamespace(max_num_tokens=args["max_tokens"]), runner_kind="V1",
                       model_type=args["model_type"], forward_context=context,
-                      max_num_batched_tokens=args["max_tokens"], max_num_reqs=16,
+                      max_num_batched_tokens=args["max_tokens"], max_num_reqs=args.get("max_reqs", 16),
                       enforce_eager=args["eager"], cudagraph_mode=args["cudagraph_mode"],
                       is_pooling_model=args["pooling"])
     out = {"applies": fam.applies(view), "steps": [], "seen": seen}
