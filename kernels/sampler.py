@@ -30,6 +30,14 @@ How:
       ``max_logprobs`` (20 by default), and on fp32 logits too where ``logprobs_mode`` returns
       processed logprobs.
 
+    - ``topk_topp_ahead`` (0.33+, before ``sampling``): the Triton top-k/top-p kernels' compile keys
+      as vLLM's own JIT warmup registry derives them from the engine's config (the dispatchers
+      ``_topk_topp`` and ``_topp_split_*`` of ``topk_topp_triton.py``, ``get_warmup_keys``), each
+      compiled through the dispatcher's own ``compile`` (Triton's ``warmup``: compile only, on
+      placeholder tensors, nothing launched), all at once on the rank's share of the cores
+      (``AsyncCompileMode``). One seeded variant takes 4-6 s to compile on an H200 host, and
+      ``sampling`` met three of them one after another (17.5 s); it now finds them compiled.
+
     Safety: the dummy requests occupy request slots 0..n-1 of the sampler's state, as vLLM's own
     ``_dummy_sampler_run`` leaves them; a real request's ``add_request`` overwrites its slot before
     its first step. Nothing touches the KV cache.
@@ -94,8 +102,55 @@ def plan(view, forced: bool) -> list:
             return [Step("sampling", SAMPLING_KERNELS, skip=reason), Step("logprobs", LOGPROB_KERNELS, skip=reason)]
     max_reqs = view.max_num_reqs or getattr(runner, "max_num_reqs", None) or 1
     batches = [b for b in SAMPLING_BATCHES if len(b[1]) <= max_reqs]
-    return [Step("sampling", SAMPLING_KERNELS, run=lambda: warm_sampling(runner, make_dummy, params_cls, batches)),
+    return [ahead_step(view),
+            Step("sampling", SAMPLING_KERNELS, run=lambda: warm_sampling(runner, make_dummy, params_cls, batches)),
             Step("logprobs", LOGPROB_KERNELS, run=lambda: warm_logprobs(runner, scores))]
+
+
+TOPK_TOPP = "vllm.v1.sample.ops.topk_topp_triton"
+DISPATCHERS = ("_topk_topp", "_topp_split_stats", "_topp_split_step", "_topp_split_mask")
+
+
+def registry_dispatchers() -> list:
+    """vLLM's top-k/top-p dispatchers that carry their warmup keys (0.33+), by name."""
+    found = []
+    for name in DISPATCHERS:
+        try:
+            dispatcher = resolve(f"{TOPK_TOPP}:{name}")
+        except Missing:
+            continue
+        if callable(getattr(dispatcher, "get_warmup_keys", None)) and callable(getattr(dispatcher, "compile", None)):
+            found.append((name, dispatcher))
+    return found
+
+
+def ahead_step(view) -> Step:
+    name, kernels = "topk_topp_ahead", "_topk_topp_kernel, _topp_split_*"
+    dispatchers = registry_dispatchers()
+    if not dispatchers:
+        return Step(name, kernels, skip="no JIT warmup registry on vLLM's top-k/top-p dispatchers (0.33+)")
+    config = getattr(view.runner, "vllm_config", None)
+    if config is None:
+        return Step(name, kernels, skip="runner has no vllm_config")
+    return Step(name, kernels, run=lambda: compile_ahead(dispatchers, config, view.tp_size))
+
+
+def compile_ahead(dispatchers, config, tp_size) -> list:
+    """Every warmup key of `dispatchers` for `config`, compiled at once; one label per dispatcher."""
+    import time
+
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    keys = [(name, d, key) for name, d in dispatchers for key in d.get_warmup_keys(vllm_config=config)]
+    threads = triton_compile.compile_threads(tp_size)
+    t0 = time.perf_counter()
+    with triton_compile.parallel_compiles(threads) as parallel:
+        for _, dispatcher, key in keys:
+            dispatcher.compile(key)
+    how = f"on {threads} threads" if parallel else "one at a time"
+    counts = {name: sum(1 for n, _, _ in keys if n == name) for name, _ in dispatchers}
+    return [f"{name}: {n} keys" for name, n in counts.items()] + [
+        f"compiled {how} in {time.perf_counter() - t0:.1f} s"]
 
 
 def dummy_logits(runner, num_reqs: int):

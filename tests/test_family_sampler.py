@@ -73,11 +73,24 @@ buffers = ib.InputBuffers(**{k: v for k, v in dict(max_num_reqs=4, max_num_token
                              if k in __import__("inspect").signature(ib.InputBuffers.__init__).parameters})
 runner = types.SimpleNamespace(sampler=Recorder(), model=model, model_config=config, input_buffers=buffers,
                                device=torch.device("cpu"), max_num_reqs=4)
-view = EngineView(runner_kind="V2", runner=runner, is_pooling_model=False, max_num_reqs=ARGS["max_num_reqs"])
+compiled = []
+if ARGS.get("registry"):
+    # vLLM's registry derives its Triton keys from the driver's binder (none on CPU): each dispatcher
+    # hands out three keys of its own; compile records whether Triton's AsyncCompileMode was active
+    from triton.runtime import _async_compile
+    runner.vllm_config = object()
+    for name, d in fam.registry_dispatchers():
+        d.get_warmup_keys = (lambda name: lambda vllm_config: [
+            (name, i, vllm_config is runner.vllm_config) for i in range(3)])(name)
+        d.compile = lambda key: compiled.append([*key, _async_compile.active_mode.get() is not None])
+view = EngineView(runner_kind="V2", runner=runner, is_pooling_model=False, max_num_reqs=ARGS["max_num_reqs"],
+                  tp_size=1)
 out = {"applies": fam.applies(view)}
 steps = fam.plan(view, forced=False)
 out["steps"] = {s.name: (s.skip or s.run()) for s in steps}
 out["calls"] = runner.sampler.calls
+out["compiled"] = compiled
+out["order"] = [s.name for s in steps]
 out["launched"] = sorted(map(list, launched))
 # what production can reach: every count of logprobs 0..max_logprobs, on the logits' dtype
 reach = set()
@@ -121,6 +134,20 @@ def test_sampling_batches_reach_the_paths_vllms_own_dummy_run_does_not(default_r
     mixed = calls[-1]["params"]
     assert mixed[0]["temperature"] == 0.0 and mixed[1]["temperature"] == 0.8 and mixed[1]["seed"] is None
     assert default_run["steps"]["sampling"][0] == "min_p x1" and default_run["applies"] is None
+
+
+def test_topk_topp_keys_of_vllms_registry_compile_at_once_before_sampling():
+    """0.33+: every warmup key vLLM's own registry derives for its top-k/top-p dispatchers (from the
+    engine's config) goes to the dispatcher's compile while Triton's AsyncCompileMode is active (all
+    in parallel), before the sampling batches that would meet them one after another."""
+    run = _run(registry=True)
+    assert run["order"] == ["topk_topp_ahead", "sampling", "logprobs"]
+    names = ["_topk_topp", "_topp_split_stats", "_topp_split_step", "_topp_split_mask"]
+    assert run["compiled"] == [[n, i, True, True] for n in names for i in range(3)]
+    labels = run["steps"]["topk_topp_ahead"]
+    assert labels[:4] == [f"{n}: 3 keys" for n in names] and labels[4].startswith("compiled on ")
+    # without the engine's config there is nothing to derive keys from: a step that says so
+    assert _run()["steps"]["topk_topp_ahead"] == "runner has no vllm_config"
 
 
 def test_processed_logprobs_mode_also_warms_fp32_and_max_logprobs_bounds_the_classes():
