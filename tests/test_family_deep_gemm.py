@@ -306,6 +306,27 @@ def test_a_failing_child_is_one_line_naming_its_error(tmp_path):
     assert "Error" in message.split("first: ", 1)[1]
 
 
+def test_described_calls_go_out_once_each_over_the_processes(tmp_path):
+    """start_calls: a work list of calls by name with tensors by description (the DSA indexer's
+    schedule metadata); two real processes forked by one real parent make every call exactly once
+    (a second torch.save of a path would still pass, a second os.mkdir would fail the process)."""
+    calls = []
+    for i in range(6):
+        calls.append({"fn": "os:mkdir", "args": [str(tmp_path / f"d{i}")]})
+        calls.append({"fn": "torch:save", "args": [{"tensor": [i + 1, 2], "dtype": "int32", "fill": 1},
+                                                   str(tmp_path / f"d{i}.pt")]})
+    started = dg.start_calls(calls, 2, "cpu")
+    outcomes = dg.finish_children(started)
+    assert sorted(o["calls"] for o in outcomes) and sum(o["calls"] for o in outcomes) == 12 and len(outcomes) == 2
+    for i in range(6):
+        assert (tmp_path / f"d{i}").is_dir()
+        saved = torch.load(tmp_path / f"d{i}.pt")
+        assert saved.dtype == torch.int32 and saved.shape == (i + 1, 2) and bool((saved == 1).all())
+    again = dg.start_calls(calls[:1], 1, "cpu")  # the directory exists now: one line naming the error
+    with pytest.raises(RuntimeError, match=r"^1 of 1 DeepGEMM compile processes failed .*FileExistsError"):
+        dg.finish_children(again)
+
+
 def test_a_parent_started_ahead_exits_quietly_when_no_work_comes(tmp_path):
     # the probe found the kernels cached: the engine closes the parent's stdin unwritten
     proc, out, err = dg.start_forkserver()

@@ -368,3 +368,25 @@ def test_prefill_warmup_is_one_call(release):
         calls = warm_calls(result, plan, "mqa_logits")
         assert [c["impl"] for c in calls] == ["mqa_logits"]
         assert keys(calls) == prod
+
+
+@pytest.mark.parametrize("release", ["0.24.0", "0.33.0"])
+def test_metadata_calls_sent_to_the_compile_processes_are_the_wrappers_calls(release):
+    """The schedule metadata's row classes go to deep_gemm's compile processes as calls by name
+    (their kernels compile with NVCC under the GIL, one after another in one process): the name
+    resolves, in a fresh process, to the very wrapper the step calls here, with the step's
+    arguments (context lengths [rows, next_n] of int32 ones, the builder's block size and SMs)."""
+    from conftest import result_of, run_py
+    got = result_of(run_py(r"""
+import json
+from kwarm_ext.kernels.dsa_indexer import mqa_logits as m
+from kwarm_ext.vllm_compat import resolve
+entries = m.deep_gemm_entries()
+args = m.DecodeArgs(next_n=2, native=(True, True), varlen=False, num_sms=132, block_size=64, max_reqs=100,
+                    max_tokens=8192)
+call = m.described_metadata_call(entries, args, m.MetadataVariant(rows=64, next_n=2, slots=132))
+print("RESULT " + json.dumps({"same": resolve(call["fn"]) is entries.paged_metadata, "call": call}))
+""", release=release, env=cpu_triton_env()))
+    assert got["same"]
+    assert got["call"]["args"] == [{"tensor": [64, 2], "dtype": "int32", "fill": 1}, 64, 132]
+    assert got["call"]["kwargs"] == ({"indices": None} if v(release) >= (0, 28) else {})

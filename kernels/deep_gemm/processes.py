@@ -382,18 +382,76 @@ def forkserver() -> None:
     sys.exit(min(failed, 100))
 
 
+def start_calls(calls: list, children: int, device: str, server=None) -> dict:
+    """:func:`start_children` for a work list of DeepGEMM calls described by value, each
+    ``{"fn": "module:qualname", "args": [...], "kwargs": {...}}`` where an argument
+    ``{"tensor": [shape], "dtype": "int32", "fill": 1}`` is made on the process's device
+    (:func:`described`): a call whose kernel depends only on shapes and scalars (the DSA
+    indexer's schedule metadata), compiled by `children` processes at once. :func:`finish_children`
+    waits for them."""
+    import torch
+
+    device = torch.device(device)
+    index = None if device.type == "cpu" else (device.index or 0)  # CPU: the tests' calls
+    claims = tempfile.TemporaryDirectory(prefix="kwarm-deep-gemm-")
+    server = server or start_forkserver()
+    try:
+        payload = {"device": index, "calls": calls, "claims": claims.name, "sent": time.time()}
+        _send(server, max(1, children), payload, pickle.dumps)
+    except BaseException:
+        _stop([server])
+        claims.cleanup()
+        raise
+    return {"server": server, "children": max(1, children), "claims": claims}
+
+
+def described(arg, device):
+    """An argument of :func:`start_calls`: a described tensor made on `device`, else the value."""
+    if isinstance(arg, dict) and "tensor" in arg:
+        import torch
+
+        return torch.full(arg["tensor"], arg.get("fill", 0), dtype=getattr(torch, arg["dtype"]), device=device)
+    return arg
+
+
+def _run_calls(payload, device) -> dict:
+    """A compile process's share of a :func:`start_calls` work list."""
+    from kwarm_ext.vllm_compat import resolve
+
+    calls, compiled, t0 = 0, [], time.perf_counter()
+    for _, call in claimed(payload["calls"], payload["claims"]):
+        started = time.perf_counter()
+        resolve(call["fn"])(*(described(a, device) for a in call["args"]),
+                            **{k: described(v, device) for k, v in call.get("kwargs", {}).items()})
+        calls += 1
+        if time.perf_counter() - started >= COMPILE_S:
+            compiled.append(time.perf_counter() - started)
+    return {"calls": calls, "runs": calls, "seconds": round(time.perf_counter() - t0, 3),
+            "compiles": len(compiled), "compile_s": round(sum(compiled), 2), "run_s": []}
+
+
 def child(path: str) -> None:
     """A compile process: read the pickled payload at `path`, run every run of the work list it
     claims first, print one JSON line. The weights and buffers are the engine's, mapped through
     CUDA IPC, or, for jobs sent by shape, its own (:func:`made_tensors`); the scratch buffers
-    the engine's, or (none sent) its own for each run."""
+    the engine's, or (none sent) its own for each run. A payload of described calls
+    (:func:`start_calls`) runs those instead."""
     import torch
 
     with open(path, "rb") as f:
         payload = pickle.load(f)  # maps the IPC handles (if any) on their device
+    if "calls" in payload and payload["device"] is None:  # described calls on the CPU (tests)
+        done = _run_calls(payload, torch.device("cpu"))
+        print(json.dumps(dict(done, ready=0.0, done=round(time.time() - payload["sent"], 2))), flush=True)
+        return
     torch.cuda.set_device(payload["device"])
     torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     ready = time.time() - payload["sent"]
+    if "calls" in payload:
+        done = _run_calls(payload, torch.device("cuda", payload["device"]))
+        torch.cuda.synchronize()
+        print(json.dumps(dict(done, ready=round(ready, 2), done=round(time.time() - payload["sent"], 2))), flush=True)
+        return
     calls = runs = 0
     compiled = []  # seconds of each call that compiled
     run_s = []  # [index in the work list, seconds] of the runs that compiled (took a second or more)
