@@ -141,7 +141,12 @@ def compile_ahead(dispatchers, config, tp_size) -> list:
 
     from kwarm_ext.surfaces.triton import compile as triton_compile
 
-    keys = [(name, d, key) for name, d in dispatchers for key in d.get_warmup_keys(vllm_config=config)]
+    keys, failed = [], []
+    for name, d in dispatchers:
+        try:
+            keys += [(name, d, key) for key in d.get_warmup_keys(vllm_config=config)]
+        except Exception as exc:  # one dispatcher's inputs this config cannot make: the others go on
+            failed.append(f"{name}: no keys ({type(exc).__name__}: {exc})")
     threads = triton_compile.compile_threads(tp_size)
     t0 = time.perf_counter()
     with triton_compile.parallel_compiles(threads) as parallel:
@@ -149,7 +154,7 @@ def compile_ahead(dispatchers, config, tp_size) -> list:
             dispatcher.compile(key)
     how = f"on {threads} threads" if parallel else "one at a time"
     counts = {name: sum(1 for n, _, _ in keys if n == name) for name, _ in dispatchers}
-    return [f"{name}: {n} keys" for name, n in counts.items()] + [
+    return [f"{name}: {n} keys" for name, n in counts.items() if n] + failed + [
         f"compiled {how} in {time.perf_counter() - t0:.1f} s"]
 
 
