@@ -28,6 +28,8 @@ fi
 echo "== installing kwarm-ext from this tree"
 pip_ install -q --no-deps --force-reinstall --no-build-isolation .
 pip_ install -q wrapt
+# Ray, for the test that starts a real local Ray cluster (tests/test_ray_workers.py)
+"$VENV/bin/python" -c "import ray" 2>/dev/null || pip_ install -q "ray>=2.40"
 
 for ver in $RELEASES; do
   dest=.rel/vllm-$ver
