@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -773,3 +774,33 @@ def test_a_parent_started_from_the_checkpoint_ends_when_the_config_says_otherwis
     dg.engine_config_made(SimpleNamespace(quant_config=None))
     assert dg.EARLY_ENV not in os.environ and dg.processes._early_server is None
     assert server[0].poll() is not None, "ended"
+
+
+def test_the_dsa_metadata_parent_starts_with_the_load_of_a_dsa_model_on_deepgemm(monkeypatch, tmp_path):
+    """deep_gemm's before_load starts the parent of the DSA indexer's metadata processes for a model
+    whose config has ``index_topk`` (DeepSeek-V3.2, GLM-5) on a CUDA device where DeepGEMM runs, and
+    for no other; dsa_indexer takes it later and its processes make the calls sent to them."""
+    import types
+
+    from transformers import AutoConfig
+    from vllm.utils import deep_gemm as vllm_dg
+
+    def worker(device, model):
+        hf = AutoConfig.from_pretrained(Path(__file__).parent.parent / "bench" / "models" / model)
+        return types.SimpleNamespace(device=torch.device(device), vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_config=hf), quant_config=None,
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=1)))
+
+    assert not dg.dsa_metadata_ahead(worker("cuda", "tiny-deepseek-v32"))  # no DeepGEMM on this machine
+    monkeypatch.setattr(vllm_dg, "is_deep_gemm_supported", lambda: True)  # an H100 with DeepGEMM
+    assert not dg.dsa_metadata_ahead(worker("cpu", "tiny-deepseek-v32"))
+    assert not dg.dsa_metadata_ahead(worker("cuda", "tiny-qwen3-next"))
+    assert dg.dsa_metadata_ahead(worker("cuda", "glm5-2l-fp8"))
+    assert dg.take_metadata_parent() is None
+    dg.before_load(worker("cuda", "tiny-deepseek-v32"))  # not block-FP8: no GEMM parent, the DSA one
+    parent = dg.take_metadata_parent()
+    assert parent is not None and parent[0].poll() is None and dg.take_metadata_parent() is None
+    started = dg.start_calls([{"fn": "os:mkdir", "args": [str(tmp_path / "made")]}], 1, "cpu", server=parent)
+    assert [o["calls"] for o in dg.finish_children(started)] == [1] and (tmp_path / "made").is_dir()
+    dg.before_load(worker("cuda", "tiny-qwen3-next"))
+    assert dg.take_metadata_parent() is None

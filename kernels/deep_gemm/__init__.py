@@ -60,12 +60,14 @@ import tempfile
 import time
 
 from kwarm_ext import config
+from kwarm_ext.log import fail_open
 from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
     EARLY_ENV, finish_children, forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread,
-    start_calls, start_children, start_early, start_forkserver, take_early)
+    start_calls, start_children, start_early, start_forkserver, start_metadata_parent, take_early,
+    take_metadata_parent)
 from kwarm_ext.kernels.deep_gemm.selection import (  # noqa: F401  (the family's names, re-exported)
     WARMUP_MODULE, _deep_gemm_takes, _takes_linear, fused_experts, gemm_jobs, grouped_layouts, job_key, linear_data,
     runs_on_deep_gemm, shape_jobs)
@@ -151,6 +153,10 @@ def before_load(worker) -> None:
     its imports overlap the load; :func:`model_built` or :func:`compile_ahead` takes it,
     :func:`release` ends it if neither did. Elsewhere one started early ends, and nothing starts
     (the ahead run probes and starts one as before)."""
+    with fail_open("deep_gemm: the DSA indexer metadata processes' parent did not start with the load; "
+                   "dsa_indexer starts it when it runs"):
+        if dsa_metadata_ahead(worker):
+            start_metadata_parent()  # dsa_indexer's schedule metadata takes it after the KV cache is bound
     started = take_early()  # the parent activation or the front end started, if any
     if early_start_gap(worker) is not None:
         _stop([started])
@@ -161,6 +167,20 @@ def before_load(worker) -> None:
     logger.info("kwarm: deep_gemm: the parent of %d compile processes %s (DeepGEMM's cache %s holds no GEMM "
                 "kernel)", n, "started early (front end or engine start)" if started else "started beside weight loading",
                 _cache_dir())
+
+
+def dsa_metadata_ahead(worker) -> bool:
+    """Whether `worker` loads a DSA-indexer model (``index_topk`` in its config: DeepSeek-V3.2,
+    GLM-5) on a CUDA device where DeepGEMM runs: its indexer's schedule metadata will be built
+    by compile processes (``dsa_indexer``), whose parent can start now."""
+    if getattr(getattr(worker, "device", None), "type", None) != "cuda":
+        return False
+    hf_config = getattr(getattr(worker.vllm_config, "model_config", None), "hf_config", None)
+    if not getattr(hf_config, "index_topk", None):
+        return False
+    from vllm.utils import deep_gemm
+
+    return bool(deep_gemm.is_deep_gemm_supported())
 
 
 def compile_processes(tp_size) -> int:

@@ -210,6 +210,39 @@ def start_forkserver(idle_s: float | None = None) -> tuple:
 
 
 _early_server = None  # the parent start_early started, until take_early takes it
+_metadata_parent = None  # the parent start_metadata_parent started, until take_metadata_parent takes it
+METADATA_IDLE_S = 1800.0  # load, profile run, KV cache and capture of a large DSA model come first
+
+
+def start_metadata_parent() -> None:
+    """Start, as the worker starts loading a DSA-indexer model (DeepSeek-V3.2, GLM-5), the parent
+    of the processes that will build the indexer's DeepGEMM schedule metadata
+    (``dsa_indexer``'s ``warm_metadata``, after the KV cache is bound): its imports of torch and
+    vLLM overlap the load instead of delaying the warmup (19 s on an H100 beside the engine,
+    BENCHMARKS.md). It exits by itself after ``METADATA_IDLE_S`` if nothing takes it."""
+    global _metadata_parent
+    if _metadata_parent is not None and _metadata_parent[0].poll() is not None:
+        _stop([_metadata_parent])
+        _metadata_parent = None
+    if _metadata_parent is None:
+        _metadata_parent = start_forkserver(METADATA_IDLE_S)
+
+
+def take_metadata_parent():
+    """The parent :func:`start_metadata_parent` started, still waiting, or None; the caller's now."""
+    global _metadata_parent
+    server, _metadata_parent = _metadata_parent, None
+    if server is None:
+        return None
+    try:
+        server[0].stdin.write(TAKEN + b"\n")
+        server[0].stdin.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    if server[0].poll() is not None:
+        _stop([server])
+        return None
+    return server
 
 
 def start_early() -> None:

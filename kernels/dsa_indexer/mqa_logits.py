@@ -417,7 +417,8 @@ def warm_metadata(view, entries, args: DecodeArgs, variants: list) -> list:
     """The schedule metadata of every row class. Each class is a DeepGEMM kernel of its own, built
     with NVCC while DeepGEMM's binding holds the GIL (2-4 s each, one after another: 30 s of tiny
     DeepSeek-V3.2's start on the H200 at 256 sequences): all but the first go to deep_gemm's
-    compile processes (forked by one parent that imports torch and vLLM once), while this process
+    compile processes (forked by one parent that imports torch and vLLM once; ``deep_gemm``'s
+    ``before_load`` starts it as the model loads, else it starts now), while this process
     calls the first. If that call was quick, DeepGEMM's cache already held the kernels (a
     restart): the processes are stopped and the rest load here. Then every class is called here,
     so that this process has them loaded."""
@@ -436,7 +437,8 @@ def warm_metadata(view, entries, args: DecodeArgs, variants: list) -> list:
         children = min(len(described), compile_processes(view.tp_size))
         with fail_open("dsa_indexer: the metadata compile processes failed; compiling here, one at a time") as outcome:
             t0 = time.perf_counter()
-            started = processes.start_calls(described, children, str(device))
+            parent = processes.take_metadata_parent()  # started as the model loaded (deep_gemm.before_load)
+            started = processes.start_calls(described, children, str(device), server=parent)
             try:
                 with _inference_mode():
                     calls[0](device)
@@ -452,7 +454,8 @@ def warm_metadata(view, entries, args: DecodeArgs, variants: list) -> list:
                 note = [f"first class loaded in {probe_s:.2f} s: DeepGEMM's cache holds them, no compile processes"]
             else:
                 outcomes = processes.finish_children(started)
-                note = [f"{len(described)} classes on {children} compile processes: "
+                note = [f"{len(described)} classes on {children} compile processes "
+                        f"({'parent started with the model load' if parent else 'parent started now'}): "
                         f"{sum(o['compiles'] for o in outcomes)} compiled, ready in "
                         f"{max(o['ready'] for o in outcomes):.1f} s, done in {time.perf_counter() - t0:.1f} s"]
         if outcome.error is not None:
