@@ -150,6 +150,27 @@ def test_topk_topp_keys_of_vllms_registry_compile_at_once_before_sampling():
     assert _run()["steps"]["topk_topp_ahead"] == "runner has no vllm_config"
 
 
+def test_registry_keys_for_a_row_stride_the_vocabulary_never_gives_are_left_out():
+    """vLLM's registry derives every top-k/top-p key for a logits row stride divisible by 16 and for
+    one that is not; with a vocabulary divisible by 16 (DeepSeek-V3.2's 129280, Qwen3-Next's 151936)
+    the sampler's logits rows never have the second. Keys are vLLM's own TritonCompileKey holding
+    its TritonWarmupTensor, as get_warmup_keys makes them."""
+    got = result_of(run_py(r"""
+import json, torch
+from kwarm_ext.kernels import sampler as fam
+from vllm.model_executor.warmup.jit_warmup_triton_helper import TritonCompileKey, TritonWarmupTensor
+def key(stride, i):
+    return TritonCompileKey(frozenset({i}), (("logits", TritonWarmupTensor(torch.float32, shape=(4, 129280),
+                                                                          strides=(stride, 1))), ("k", None)))
+keys = [key(16, 0), key(2, 1), key(129280, 2), key(129283, 3)]
+print("RESULT " + json.dumps({str(v): [fam.reachable(k, v) for k in keys] for v in (129280, 151936, 32001, None)}
+                             | {"no_logits": fam.reachable(TritonCompileKey(frozenset(), (("x", 1),)), 129280)}))
+""", release="0.33.0", env=cpu_triton_env()))
+    assert got["129280"] == got["151936"] == [True, False, True, False]
+    assert got["32001"] == got["None"] == [True, True, True, True]  # both strides reachable, or unknown
+    assert got["no_logits"]
+
+
 def test_processed_logprobs_mode_also_warms_fp32_and_max_logprobs_bounds_the_classes():
     run = _run(mode="processed_logprobs", max_logprobs=5, max_num_reqs=1)
     assert {dtype for _, _, dtype in run["launched"]} == {"torch.bfloat16", "torch.float32"}
