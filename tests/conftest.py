@@ -41,6 +41,9 @@ def release_path(version: str) -> Path | None:
 
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in _environ().items() if not k.startswith("KWARM_")}
+    # vLLM 0.33's import of humming-kernels starts a background build of its CUDA launcher in a
+    # process of its own (humming/ops/utils.py), which outlived the tests and loaded the 2 cores
+    env.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
     env.update({k: v for k, v in extra.items() if v is not None})
     return env
 

@@ -53,6 +53,7 @@ done
 
 echo "== pytest"
 export CUDA_VISIBLE_DEVICES=""
+export HUMMING_DISABLE_PARALLEL_BUILD=1   # vLLM 0.33's import would build humming's launcher in the background
 # the pytest script, not `python -m pytest`: the latter puts this folder first on sys.path, and
 # the source kwarm_ext (without kwarm_ext.kernels) would shadow the installed one.
 # Two workers, each test module on one of them (its per-release vLLM runs start once); the runs

@@ -314,3 +314,25 @@ def test_convert_launch_is_production_shaped(release):
         # FlashMLASparse's FP8 prefill call compiles the key the warmup compiled
         (prefill,) = [e for e in result["convert"] if e["variant"][1]]
         assert keys(result["production_convert_launches"]) == keys(prefill["launches"])
+
+
+def test_importing_vllm_0_33_leaves_no_build_running():
+    """vLLM 0.33 imports humming-kernels, whose import starts a background build of its CUDA
+    launcher in a child process; the tests' environment turns it off (conftest.clean_env), so a
+    test run leaves no process behind. Child processes of the importer are read from /proc."""
+    from conftest import result_of, run_py
+    got = result_of(run_py(r"""
+import json, os
+import humming.ops.utils  # what vLLM 0.33's kernel modules import
+me = str(os.getpid())
+children = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        continue
+    if stat.rsplit(")", 1)[1].split()[1] == me:
+        children.append(open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200])
+print("RESULT " + json.dumps({"children": children, "flag": os.environ.get("HUMMING_DISABLE_PARALLEL_BUILD")}))
+""", release="0.33.0", env=cpu_triton_env()))
+    assert got == {"children": [], "flag": "1"}
