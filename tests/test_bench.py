@@ -1,6 +1,6 @@
 """The engine benchmark's CPU-side code: table rendering on a recorded result
 (tests/fixtures/bench_result.json: tiny Qwen3-Next, vLLM 0.24.0, kwarm off, cold cache,
-the smoke scenario, numbers from the first measured baseline in the README), argument parsing,
+the smoke scenario, numbers from the first measured baseline), argument parsing,
 scenario construction and environment set-up. No GPU, no engine."""
 from __future__ import annotations
 
@@ -488,7 +488,7 @@ def test_smoke_scenario_is_gpu_baseline():
     scenario = engine_bench.build_scenario("smoke")
     assert [(r.batch, r.length, r.max_tokens, r.repeat_of) for r in scenario] == [
         (1, 200, 16, None), (1, 200, 16, 0), (4, 333, 16, None), (4, 333, 16, 2), (1, 37, 16, None)]
-    # the very prompts of the first measured baseline (the README's 3.13 s)
+    # the very prompts of the first measured baseline (3.13 s for the first request, tiny Qwen3-Next on vLLM 0.24.0)
     for r in scenario:
         want = [{"prompt_token_ids": [(7 * j + 3 * k) % 4000 + 10 for k in range(r.length)]} for j in range(r.batch)]
         assert engine_bench.prompt_ids(r.batch, r.length, r.seed) == want
