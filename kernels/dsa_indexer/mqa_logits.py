@@ -15,6 +15,7 @@ from kwarm_ext.kernels.attention_groups import metadata_builder as _builder
 from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
 from kwarm_ext.kernels.model_runner import runner_models
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
+from kwarm_ext.kernels.dsa_indexer.metadata_processes import warm_metadata
 from kwarm_ext.kernels.dsa_indexer.common import (
     INDEXER_BACKEND, METADATA_ROW_ALIGN, MIN_CAPABILITY, MQA_LOGITS, PAGED_METADATA,
     PAGED_MQA_LOGITS, PREFILL_ROWS, _DEEP_GEMM, _ENTRY_OWNERS, _INDEXER, _LEGACY_NAMES,
@@ -413,62 +414,6 @@ def described_metadata_call(entries, args: DecodeArgs, variant: MetadataVariant)
             "kwargs": _metadata_kwargs(entries)}
 
 
-def warm_metadata(view, entries, args: DecodeArgs, variants: list) -> list:
-    """The schedule metadata of every row class. Each class is a DeepGEMM kernel of its own, built
-    with NVCC while DeepGEMM's binding holds the GIL (2-4 s each, one after another: 30 s of tiny
-    DeepSeek-V3.2's start on the H200 at 256 sequences): all but the first go to deep_gemm's
-    compile processes (forked by one parent that imports torch and vLLM once; ``deep_gemm``'s
-    ``before_load`` starts it as the model loads, else it starts now), while this process
-    calls the first. If that call was quick, DeepGEMM's cache already held the kernels (a
-    restart): the processes are stopped and the rest load here. Then every class is called here,
-    so that this process has them loaded."""
-    import time
-
-    from kwarm_ext.log import fail_open
-
-    device = _device(view)
-    calls = [lambda device, m=m: run_paged_metadata(entries, device, args, m) for m in variants]
-    described = [described_metadata_call(entries, args, m) for m in variants[1:]]
-    note = []
-    if device.type == "cuda" and described and all(described):
-        from kwarm_ext.kernels.deep_gemm import compile_processes
-        from kwarm_ext.kernels.deep_gemm import processes
-
-        children = min(len(described), compile_processes(view.tp_size))
-        with fail_open("dsa_indexer: the metadata compile processes failed; compiling here, one at a time") as outcome:
-            t0 = time.perf_counter()
-            parent = processes.take_metadata_parent()  # started as the model loaded (deep_gemm.before_load)
-            started = processes.start_calls(described, children, str(device), server=parent)
-            try:
-                with _inference_mode():
-                    calls[0](device)
-                _synchronize(device)
-            except BaseException:
-                processes._stop([started["server"]])
-                started["claims"].cleanup()
-                raise
-            probe_s = time.perf_counter() - t0
-            if probe_s < processes.COMPILE_S:
-                processes._stop([started["server"]])
-                started["claims"].cleanup()
-                note = [f"first class loaded in {probe_s:.2f} s: DeepGEMM's cache holds them, no compile processes"]
-            else:
-                outcomes = processes.finish_children(started)
-                note = [f"{len(described)} classes on {children} compile processes "
-                        f"({'parent started with the model load' if parent else 'parent started now'}): "
-                        f"{sum(o['compiles'] for o in outcomes)} compiled, ready in "
-                        f"{max(o['ready'] for o in outcomes):.1f} s, done in {time.perf_counter() - t0:.1f} s"]
-        if outcome.error is not None:
-            note = [f"compile processes failed ({type(outcome.error).__name__})"]
-    return _warm(view, calls) + note
-
-
-def _inference_mode():
-    import torch
-
-    return torch.inference_mode()
-
-
 def _zeros(shape, dtype, device):
     """Zeros of `dtype` (fp8 included: made as bytes and viewed)."""
     import torch
@@ -577,7 +522,9 @@ def _decode_steps(view, entries, quant_view, shapes: dict, groups) -> list:
     if why:
         steps.append(Step(md_name, md_kernel, skip=why))
     elif todo_md:
-        steps.append(Step(md_name, md_kernel, run=functools.partial(warm_metadata, view, entries, args, todo_md)))
+        calls = [lambda device, m=m: run_paged_metadata(entries, device, args, m) for m in todo_md]
+        described = [described_metadata_call(entries, args, m) for m in todo_md[1:]]
+        steps.append(Step(md_name, md_kernel, run=functools.partial(warm_metadata, view, calls, described, _warm)))
     if not why and done_md:
         steps.append(Step(f"{md_name}[captured]", md_kernel,
                           skip=f"compiled by FULL CUDA-graph capture: {len(done_md)} of {len(metadata)} "
