@@ -37,8 +37,9 @@ How:
       placeholder tensors, nothing launched), all at once on the rank's share of the cores
       (``AsyncCompileMode``), less those for a logits row stride the vocabulary never gives
       (:func:`reachable`: half of them where the vocabulary is a multiple of 16; 92 keys took
-      16.8 s on 16 threads of an H100 host before). One seeded variant takes 4-6 s to compile on an H200 host, and
-      ``sampling`` met three of them one after another (17.5 s); it now finds them compiled.
+      16.8 s on 16 threads of an H100 host before). One seeded variant takes 4-6 s to compile
+      on an H200 host, and ``sampling`` met three of them one after another (17.5 s); it now
+      finds them compiled.
 
     Safety: the dummy requests occupy request slots 0..n-1 of the sampler's state, as vLLM's own
     ``_dummy_sampler_run`` leaves them; a real request's ``add_request`` overwrites its slot before

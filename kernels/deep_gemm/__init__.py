@@ -66,7 +66,7 @@ from kwarm_ext.families import Step
 from kwarm_ext.kernels.deep_gemm.processes import (  # noqa: F401  (the family's names, re-exported)
     CHILD_TIMEOUT_S, RUN_COUNTS, _buffers, _collect, _scale_cols, _send, _shape, _stop, _throughput, chunks, child, claimed,
     EARLY_ENV, finish_children, forkserver, longest_runs, made_tensors, readiness, run_children, run_counts, spread,
-    start_calls, start_children, start_early, start_forkserver, start_metadata_parent, take_early,
+    cancel_children, start_calls, start_children, start_early, start_forkserver, start_metadata_parent, take_early,
     take_metadata_parent)
 from kwarm_ext.kernels.deep_gemm.selection import (  # noqa: F401  (the family's names, re-exported)
     WARMUP_MODULE, _deep_gemm_takes, _takes_linear, fused_experts, gemm_jobs, grouped_layouts, job_key, linear_data,

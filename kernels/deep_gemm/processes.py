@@ -214,6 +214,31 @@ _metadata_parent = None  # the parent start_metadata_parent started, until take_
 METADATA_IDLE_S = 1800.0  # load, profile run, KV cache and capture of a large DSA model come first
 
 
+def _running_or_new(server, idle_s: float) -> tuple:
+    """`server` while it still waits, else a new parent (one that exited, nobody having taken it in
+    time, is stopped: its files go)."""
+    if server is not None and server[0].poll() is not None:
+        _stop([server])
+        server = None
+    return server or start_forkserver(idle_s)
+
+
+def _taken(server):
+    """`server`, told on its stdin that it is taken (it waits for its work without its idle time),
+    or None where there is none or it exited (idle, or failed)."""
+    if server is None:
+        return None
+    try:
+        server[0].stdin.write(TAKEN + b"\n")
+        server[0].stdin.flush()
+    except (BrokenPipeError, ValueError):  # it exited: none to take
+        pass
+    if server[0].poll() is not None:
+        _stop([server])
+        return None
+    return server
+
+
 def start_metadata_parent() -> None:
     """Start, as the worker starts loading a DSA-indexer model (DeepSeek-V3.2, GLM-5), the parent
     of the processes that will build the indexer's DeepGEMM schedule metadata
@@ -221,28 +246,14 @@ def start_metadata_parent() -> None:
     vLLM overlap the load instead of delaying the warmup (19 s on an H100 beside the engine,
     BENCHMARKS.md). It exits by itself after ``METADATA_IDLE_S`` if nothing takes it."""
     global _metadata_parent
-    if _metadata_parent is not None and _metadata_parent[0].poll() is not None:
-        _stop([_metadata_parent])
-        _metadata_parent = None
-    if _metadata_parent is None:
-        _metadata_parent = start_forkserver(METADATA_IDLE_S)
+    _metadata_parent = _running_or_new(_metadata_parent, METADATA_IDLE_S)
 
 
 def take_metadata_parent():
     """The parent :func:`start_metadata_parent` started, still waiting, or None; the caller's now."""
     global _metadata_parent
     server, _metadata_parent = _metadata_parent, None
-    if server is None:
-        return None
-    try:
-        server[0].stdin.write(TAKEN + b"\n")
-        server[0].stdin.flush()
-    except (BrokenPipeError, ValueError):
-        pass
-    if server[0].poll() is not None:
-        _stop([server])
-        return None
-    return server
+    return _taken(server)
 
 
 def start_early() -> None:
@@ -251,11 +262,7 @@ def start_early() -> None:
     process), so that its imports overlap vLLM's own start; :func:`take_early` hands it to the
     worker's ``before_load``. One that gets no work exits after ``IDLE_S``."""
     global _early_server
-    if _early_server is not None and _early_server[0].poll() is not None:
-        _stop([_early_server])  # it exited (nobody took it in time): its files go, a new one starts
-        _early_server = None
-    if _early_server is None:
-        _early_server = start_forkserver(IDLE_S)
+    _early_server = _running_or_new(_early_server, IDLE_S)
 
 
 def take_early():
@@ -263,17 +270,7 @@ def take_early():
     and it waits for its work without ``IDLE_S`` (told so on its stdin)."""
     global _early_server
     server, _early_server = _early_server, None
-    if server is None:
-        return None
-    try:
-        server[0].stdin.write(TAKEN + b"\n")
-        server[0].stdin.flush()
-    except (BrokenPipeError, ValueError):  # it exited (idle, or failed): none to take
-        pass
-    if server[0].poll() is not None:
-        _stop([server])
-        return None
-    return server
+    return _taken(server)
 
 
 def run_children(work: list, children: int, jobs: list, buffers: dict, device: str, server=None) -> list:
@@ -311,13 +308,18 @@ def start_children(work: list, children: int, jobs: list, buffers: dict | None, 
     return {"server": server, "children": max(1, children), "claims": claims, "jobs": jobs, "buffers": buffers}
 
 
+def cancel_children(started: dict) -> None:
+    """End what :func:`start_children` or :func:`start_calls` started without waiting for it."""
+    _stop([started["server"]])
+    started["claims"].cleanup()
+
+
 def finish_children(started: dict) -> list:
     """Wait for what :func:`start_children` started; each process's outcome (see :func:`run_children`)."""
     try:
         return _collect(started["server"], started["children"])
     finally:
-        _stop([started["server"]])
-        started["claims"].cleanup()
+        cancel_children(started)
 
 
 def _send(server: tuple, children: int, payload: dict, dumps) -> None:
@@ -473,16 +475,15 @@ def child(path: str) -> None:
 
     with open(path, "rb") as f:
         payload = pickle.load(f)  # maps the IPC handles (if any) on their device
-    if "calls" in payload and payload["device"] is None:  # described calls on the CPU (tests)
-        done = _run_calls(payload, torch.device("cpu"))
-        print(json.dumps(dict(done, ready=0.0, done=round(time.time() - payload["sent"], 2))), flush=True)
-        return
-    torch.cuda.set_device(payload["device"])
-    torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
+    on_gpu = payload["device"] is not None  # None: described calls on the CPU (tests)
+    if on_gpu:
+        torch.cuda.set_device(payload["device"])
+        torch.cuda.synchronize()  # this thread's context current before DeepGEMM's driver calls
     ready = time.time() - payload["sent"]
     if "calls" in payload:
-        done = _run_calls(payload, torch.device("cuda", payload["device"]))
-        torch.cuda.synchronize()
+        done = _run_calls(payload, torch.device("cuda", payload["device"]) if on_gpu else torch.device("cpu"))
+        if on_gpu:
+            torch.cuda.synchronize()
         print(json.dumps(dict(done, ready=round(ready, 2), done=round(time.time() - payload["sent"], 2))), flush=True)
         return
     calls = runs = 0

@@ -17,6 +17,8 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
     calls)``); `described`: the same for all but the first, as the processes make them."""
     import time
 
+    import torch
+
     from kwarm_ext.log import fail_open
 
     device = _device(view)
@@ -31,17 +33,15 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
             parent = processes.take_metadata_parent()  # started as the model loaded (deep_gemm.before_load)
             started = processes.start_calls(described, children, str(device), server=parent)
             try:
-                with _inference_mode():
+                with torch.inference_mode():
                     calls[0](device)
                 _synchronize(device)
             except BaseException:
-                processes._stop([started["server"]])
-                started["claims"].cleanup()
+                processes.cancel_children(started)
                 raise
             probe_s = time.perf_counter() - t0
             if probe_s < processes.COMPILE_S:
-                processes._stop([started["server"]])
-                started["claims"].cleanup()
+                processes.cancel_children(started)
                 note = [f"first class loaded in {probe_s:.2f} s: DeepGEMM's cache holds them, no compile processes"]
             else:
                 outcomes = processes.finish_children(started)
@@ -52,9 +52,3 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
         if outcome.error is not None:
             note = [f"compile processes failed ({type(outcome.error).__name__})"]
     return warm(view, calls) + note
-
-
-def _inference_mode():
-    import torch
-
-    return torch.inference_mode()
