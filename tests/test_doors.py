@@ -224,3 +224,32 @@ def test_spawn_child_inherits_activation():
         path.unlink()
     got = last_json(proc)
     assert got["active"] is True and set(got["sources"]) == {".pth"}
+
+
+def test_python_run_from_the_clone_root_imports_vllms_worker():
+    """From a clone's root (its folder first on sys.path) the top-level ``kernels/`` folder
+    would shadow Hugging Face's ``kernels`` package, which transformers 5.x imports by name
+    (``from kernels import CUDAProperties``) as vLLM's worker imports transformers: the import
+    hands over the installed package; where none is installed, the folder stays (and
+    transformers finds no version of it). The source kwarm_ext finds its families there too."""
+    code = """
+import json, os, sys
+import kernels
+installed = os.path.dirname(os.path.abspath(kernels.__file__)) != os.path.abspath("kernels")
+import vllm.v1.worker.gpu_worker
+import kwarm_ext, kwarm_ext.kernels.sampler
+from transformers.utils.import_utils import is_kernels_available
+del sys.modules["kernels"]
+sys.path = [p for p in sys.path if "-packages" not in p]  # nothing installed: the folder stays
+import kernels as alone
+print(json.dumps({"installed": installed, "hub": is_kernels_available(),
+                  "alone": os.path.abspath(alone.__file__) == os.path.abspath("kernels/__init__.py"),
+                  "kwarm_ext": os.path.dirname(os.path.abspath(kwarm_ext.__file__))}))
+"""
+    has_hub = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('kernels') is not None)"],
+                             capture_output=True, text=True, cwd="/").stdout.strip() == "True"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=240)
+    out = last_json(proc)
+    assert out["installed"] is has_hub and out["alone"] is True
+    assert out["kwarm_ext"] == str(REPO / "kwarm_ext")  # the source package, with ../kernels
