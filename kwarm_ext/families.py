@@ -149,6 +149,13 @@ FAMILIES = {
                "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA, "
                "on up to 8 threads (the MoE router gate runs through its own forward)",
                "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
+        Family("v2_warmup", "kwarm_ext.kernels.v2_warmup",
+               "Model Runner V2's own warmup_kernels (real prefill and decode steps: the runner's input-"
+               "preparation, KV-zeroing and Mamba state kernels) where vLLM does not run it, after start-up "
+               "without CUDA graphs",
+               "vLLM runs it itself with its JIT warmup on (0.29-0.34) or an extensible KV cache (0.34), "
+               "for every V2 engine before 0.29; enforce_eager turns the JIT warmup off, and kwarm runs it "
+               "then", after_capture=True),
         Family("caching_allocator", "kwarm_ext.kernels.caching_allocator",
                "torch's CUDA caching allocator, after CUDA-graph capture: blocks allocated and freed on the "
                "model's and vLLM's aux stream, and FLASH_ATTN_MLA_SPARSE's forward_mqa at each one-request "

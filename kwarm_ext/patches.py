@@ -10,6 +10,8 @@ vLLM's profile run, documented at :func:`_wrap_determine_available_memory`),
 ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` (serving's torch thread count
 before vLLM's warmups, and what must follow CUDA-graph capture, documented at
 :func:`_wrap_compile_or_warm_up_model`) and
+``vllm.v1.worker.gpu_worker.warmup_kernels`` (which runners vLLM ran Model Runner V2's warmup on,
+documented at :func:`_wrap_warmup_kernels`),
 ``vllm.v1.engine.input_processor.InputProcessor.__init__`` (the front end's, documented at
 :func:`_wrap_input_processor_init`) and ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
 (deep_gemm's early start, documented at :func:`_wrap_create_engine_config`), and
@@ -351,6 +353,38 @@ def _wrap_grammar_init(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+_V2_WARMUP_RUNNERS: "weakref.WeakSet" = None  # runners vLLM ran Model Runner V2's warmup_kernels on
+
+
+def _wrap_warmup_kernels(wrapped, instance, args, kwargs):
+    """Run vLLM's Model Runner V2 ``warmup_kernels`` and note on which runner it ran.
+
+    Why: whether vLLM runs it depends on the release (0.20-0.28: every V2 engine; 0.29-0.33:
+    ``enable_jit_warmup``, which ``enforce_eager`` turns off; 0.34: that or an extensible KV
+    cache), and family ``v2_warmup`` runs it where vLLM did not, never twice. The worker imports
+    it by name (``from .gpu.warmup import warmup_kernels``), so the worker module's attribute is
+    what is wrapped. vLLM versions: 0.20-0.34 (``vllm/v1/worker/gpu_worker.py``). It can go with
+    ``v2_warmup``.
+    """
+    global _V2_WARMUP_RUNNERS
+    runner = args[0] if args else kwargs.get("model_runner")
+    with fail_open("could not note that vLLM ran warmup_kernels, v2_warmup may run it again"):
+        import weakref
+
+        if _V2_WARMUP_RUNNERS is None:
+            _V2_WARMUP_RUNNERS = weakref.WeakSet()
+        _V2_WARMUP_RUNNERS.add(runner)
+    return wrapped(*args, **kwargs)
+
+
+def ran_v2_warmup(runner) -> bool:
+    """Whether vLLM ran Model Runner V2's ``warmup_kernels`` on `runner` in this process."""
+    try:
+        return _V2_WARMUP_RUNNERS is not None and runner in _V2_WARMUP_RUNNERS
+    except TypeError:  # not weakly referenceable
+        return False
+
+
 # The table: every patch kwarm installs (each wrapper above says why and until when).
 KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
                       "kwarm's warmup will not run", announce="kwarm's families run after vLLM's warmup (its ahead families, deep_gemm, before vLLM's profile run)")
@@ -368,12 +402,14 @@ INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init,
 ENGINE_CONFIG = Patch(ENGINE_ARGS_MODULE, "create_engine_config", _wrap_create_engine_config, "0.20-0.33",
                       "DeepGEMM's compile processes start at weight loading, not with the engine's processes",
                       owner="EngineArgs")
+V2_WARMUP = Patch(TARGET_MODULE, "warmup_kernels", _wrap_warmup_kernels, "0.20-0.34",
+                  "v2_warmup cannot tell whether vLLM ran Model Runner V2's warmup_kernels and does not run it")
 STRUCTURED_OUTPUT_MODULE = "vllm.v1.structured_output"
 STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_structured_output_init, "0.20-0.33",
                                "xgrammar's backend is built on the first structured request",
                                owner="StructuredOutputManager")
 GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.33",
                      "the backend kwarm built is not used", owner="StructuredOutputManager")
-PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, AFTER_CAPTURE,
+PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, V2_WARMUP, AFTER_CAPTURE,
            INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT,
            FLASHINFER_BUILD)

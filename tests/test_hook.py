@@ -328,7 +328,8 @@ def test_every_patch_in_the_table_applies_once_and_removes_cleanly():
     assert {e.target for e in patches.PATCHES} == {
         "triton.runtime.jit.serialize_specialization_data", "vllm.v1.worker.gpu_worker.kernel_warmup",
         "vllm.v1.worker.gpu_worker.Worker.determine_available_memory", "vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model",
-        "vllm.v1.worker.gpu_worker.Worker.load_model", "vllm.model_executor.model_loader.base_loader.initialize_model",
+        "vllm.v1.worker.gpu_worker.Worker.load_model", "vllm.v1.worker.gpu_worker.warmup_kernels",
+        "vllm.model_executor.model_loader.base_loader.initialize_model",
         "vllm.v1.engine.input_processor.InputProcessor.__init__", "vllm.engine.arg_utils.EngineArgs.create_engine_config",
         "vllm.v1.structured_output.StructuredOutputManager.__init__",
         "vllm.v1.structured_output.StructuredOutputManager.grammar_init",
