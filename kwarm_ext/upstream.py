@@ -24,13 +24,29 @@ UPSTREAM_WARMUPS = {
         "slot mapping on a fresh BlockTable (other strides than the runner's)", "0.25-0.28"),
     "kv_block_zeroer_warmup": (
         ("vllm.v1.worker.utils:KVBlockZeroer.warmup",),
-        "zero-KV-blocks kernel (n_blocks not specialized from 0.27)", "0.27+"),
+        "zero-KV-blocks kernel (n_blocks not specialized from 0.27): kernel_warmup calls it on the V1 runner "
+        "(0.27-0.33), Model Runner V2's warmup_kernels on V2 (0.34: only there)", "0.27+"),
     "jit_warmup_registry": (
         ("vllm.model_executor.warmup.jit_warmup:VllmJitKernel",),
-        "per-kernel compile-key registry (gated by kernel_config.enable_jit_warmup)", "0.27+"),
+        "per-kernel compile-key registry (gated by kernel_config.enable_jit_warmup, which enforce_eager "
+        "turns off)", "0.27+"),
+    "v2_warmup_kernels": (
+        ("vllm.v1.worker.gpu.warmup:warmup_kernels",),
+        "Model Runner V2: real prefill and decode steps (input preparation, KV zeroing, Mamba state "
+        "kernels); every V2 engine before 0.29, then only with enable_jit_warmup (0.34: or an extensible "
+        "KV cache): kwarm's v2_warmup runs it where vLLM does not", "0.20+"),
     "mamba_triton_warmup": (
         ("vllm.model_executor.warmup.mamba_triton_warmup",),
-        "mamba align-mode batch_memcpy", "0.30+"),
+        "mamba align-mode batch_memcpy", "0.30-0.33"),
+    "replayssm_lifecycle_warmup": (
+        ("vllm.model_executor.warmup.replayssm_warmup:replayssm_lifecycle_warmup",),
+        "Mamba/SSM request-lifecycle kernels, with FlashInfer's replay-SSM only", "0.34+"),
+    "qwen_vl_triton_warmup": (
+        ("vllm.model_executor.warmup.qwen_vl_triton_warmup:qwen_vl_triton_warmup",),
+        "Qwen3-VL vision tower kernels and M-RoPE (1, 2, 16 tokens)", "0.33+"),
+    "flashinfer_attention_warmup": (
+        ("vllm.model_executor.warmup.attention_warmup:mixed_batch_attention_warmup",),
+        "FlashInfer attention: one mixed prefill+decode batch through execute_model", "0.33+"),
 }
 
 

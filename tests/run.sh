@@ -6,13 +6,13 @@
 # - .venv/ : Python venv with the real vllm==0.24.0 (CPU import; about 9 GB, a few minutes
 #   the first time), pytest, and kwarm-ext installed from this tree (reinstalled every run).
 # - .rel/vllm-<ver>/ : the Python files of other vLLM releases (0.20.0 0.22.0 0.26.0 0.28.0
-#   0.33.0) for the release-matrix tests, which put one of them first on PYTHONPATH.
+#   0.33.0 0.34.0) for the release-matrix tests, which put one of them first on PYTHONPATH.
 # KWARM_TEST_VENV overrides the venv location; KWARM_TEST_RELEASES the release list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KWARM_TEST_VENV:-.venv}
 PY=${PYTHON:-python3}
-RELEASES=${KWARM_TEST_RELEASES:-0.20.0 0.22.0 0.26.0 0.28.0 0.33.0}
+RELEASES=${KWARM_TEST_RELEASES:-0.20.0 0.22.0 0.26.0 0.28.0 0.33.0 0.34.0}
 
 # pip, without this machine's "Location ... is ignored" noise; pip's own status is kept (pipefail).
 pip_() { "$VENV/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }

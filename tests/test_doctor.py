@@ -49,12 +49,18 @@ def test_doctor_disabled_and_filtered():
                                     "WARNING, ERROR); using the default 'INFO'"]
 
 
+V2 = {"v2_warmup_kernels"}  # Model Runner V2's warmup_kernels, in every release
+
+
 @pytest.mark.parametrize("release, present", [
-    ("0.20.0", set()),
-    ("0.26.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup"}),
-    ("0.28.0", {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup",
-                "kv_block_zeroer_warmup", "jit_warmup_registry"}),
-    ("0.33.0", {"qwen_triton_warmup", "kv_block_zeroer_warmup", "jit_warmup_registry", "mamba_triton_warmup"}),
+    ("0.20.0", V2),
+    ("0.26.0", V2 | {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup"}),
+    ("0.28.0", V2 | {"qwen_triton_warmup", "sparse_mla_triton_warmup", "v1_block_table_warmup",
+                     "kv_block_zeroer_warmup", "jit_warmup_registry"}),
+    ("0.33.0", V2 | {"qwen_triton_warmup", "kv_block_zeroer_warmup", "jit_warmup_registry", "mamba_triton_warmup",
+                     "qwen_vl_triton_warmup", "flashinfer_attention_warmup"}),
+    ("0.34.0", V2 | {"qwen_triton_warmup", "kv_block_zeroer_warmup", "jit_warmup_registry",
+                     "replayssm_lifecycle_warmup", "qwen_vl_triton_warmup", "flashinfer_attention_warmup"}),
 ])
 def test_doctor_finds_upstream_warmups_per_release(release, present):
     r = doctor(cpu_triton_env(), release=release)  # the release's fork server's environment
