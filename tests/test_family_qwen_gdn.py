@@ -44,6 +44,9 @@ CASES = {
     "0.33.0": {"checkpoint": dict(checkpoint=True), "checkpoint_qwen3_5_spec": dict(
         checkpoint=True, model_type="qwen3_5", num_spec=2), "checkpoint_one_seq": dict(checkpoint=True, max_reqs=1),
                "no_checkpoint": {}},
+    "0.34.0": {"checkpoint": dict(checkpoint=True), "checkpoint_qwen3_5_spec": dict(
+        checkpoint=True, model_type="qwen3_5", num_spec=2), "checkpoint_one_seq": dict(checkpoint=True, max_reqs=1),
+               "no_checkpoint": {}},
 }
 
 
@@ -271,11 +274,12 @@ print("RESULT " + json.dumps([fam.has_mixed_split_path(), fam.param_mode(kernel,
                                          ["QwenGatedDeltaNetAttention", "GatedDeltaNetAttention"]]
 
 
-def test_prefill_checkpoint_export():
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_prefill_checkpoint_export(release):
     """0.33+ with prefix caching and FlashInfer's GDN prefill: vLLM's real exporter launches the real
     store_cache_checkpoints_kernel once per reachable key: the recurrent_rows slice 16-byte aligned
     (odd prefill count) and 8 bytes off (even), with the layer's bound states and nothing written."""
-    result = _run("0.33.0", "checkpoint")
+    result = _run(release, "checkpoint")
     assert _ran(result, "prefill_checkpoint") == ["pitch=1024,rows_aligned=y", "pitch=1024,rows_aligned=n"]
     calls = result["seen"]["checkpoint"]
     assert [c["rows16"] for c in calls] == [True, False]
@@ -288,15 +292,30 @@ def test_prefill_checkpoint_export():
     assert result["states_untouched"]
 
 
-def test_prefill_checkpoint_variants():
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_prefill_checkpoint_variants(release):
     """Qwen3.5 with speculative decoding: the split view's pitch and index_select's dense rows; one
     sequence per batch: only the aligned rows slice; without checkpoints: a step that says why."""
-    spec = _run("0.33.0", "checkpoint_qwen3_5_spec")
+    spec = _run(release, "checkpoint_qwen3_5_spec")
     assert _ran(spec, "prefill_checkpoint") == [
         "pitch=1536,rows_aligned=y", "pitch=1536,rows_aligned=n",
         "pitch=1024,rows_aligned=y", "pitch=1024,rows_aligned=n"]
     assert [c["x_stride_0"] for c in spec["seen"]["checkpoint"]] == [1536, 1536, 1024, 1024]
-    assert _ran(_run("0.33.0", "checkpoint_one_seq"), "prefill_checkpoint") == ["pitch=1024,rows_aligned=y"]
-    assert _skips(_run("0.33.0", "no_checkpoint"), "prefill_checkpoint") == [
+    assert _ran(_run(release, "checkpoint_one_seq"), "prefill_checkpoint") == ["pitch=1024,rows_aligned=y"]
+    assert _skips(_run(release, "no_checkpoint"), "prefill_checkpoint") == [
         "no prefill checkpoints: they are exported with prefix caching (mamba_cache_mode=align) and "
         "FlashInfer's GDN prefill"]
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_post_conv_takes_the_releases_output_g_exp(release):
+    """``output_g_exp`` is a constexpr of ``_fused_post_conv_kernel``: vLLM 0.34's prefill passes True
+    under FlashInfer's GDN prefill (the Hopper default), 0.33's False whatever the backend; with
+    Triton's prefill both pass False. kwarm's post-conv launches pass what the release passes."""
+    flashinfer = _run(release, "checkpoint")  # the layer as __init__ leaves it with FlashInfer's prefill
+    triton = _run(release, "no_checkpoint")
+    assert flashinfer["seen"]["post_conv"] and triton["seen"]["post_conv"]
+    assert {c["g_exp"] for c in flashinfer["seen"]["post_conv"]} == {release == "0.34.0"}
+    assert {c["g_exp"] for c in triton["seen"]["post_conv"]} == {False}
+    labels = _ran(flashinfer, "fused_post_conv_prep")
+    assert labels and all(label.endswith(",exp(g)") is (release == "0.34.0") for label in labels)

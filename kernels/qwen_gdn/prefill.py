@@ -157,6 +157,7 @@ def warm_post_conv(work, fn, variants) -> list:
 
     s, layer = work.shape, work.layer
     device, dtype = work.conv_state.device, layer.conv1d.weight.dtype
+    g_exp = production_g_exp(layer)
     labels = []
     with torch.inference_mode():
         for nd, align, length in variants:
@@ -165,12 +166,29 @@ def warm_post_conv(work, fn, variants) -> list:
             a, b = a[nd:], b[nd:]
             kwargs = dict(conv_output=out, a=a, b=b, A_log=layer.A_log, dt_bias=layer.dt_bias,
                           num_k_heads=s.h, head_k_dim=s.k, head_v_dim=s.v, apply_l2norm=True,
-                          output_g_exp=False)
+                          output_g_exp=g_exp)
             bind(fn, **kwargs)
             fn(**kwargs)
-            labels.append(f"L={length},offset_rows={nd},aligned={''.join('yn'[not x] for x in align)}")
+            labels.append(f"L={length},offset_rows={nd},aligned={''.join('yn'[not x] for x in align)}"
+                          + (",exp(g)" if g_exp else ""))
         synchronize(device)
     return labels
+
+
+def production_g_exp(layer) -> bool:
+    """The ``output_g_exp`` (a constexpr of ``_fused_post_conv_kernel``) production's prefill passes
+    to ``fused_post_conv_prep``: from vLLM 0.34 True under FlashInfer's GDN prefill, which takes
+    exp(g) straight from the kernel (``output_g_exp=self.gdn_prefill_backend == "flashinfer"``);
+    0.23-0.33 pass False whatever the backend. Told apart by the release's own Qwen warmup config,
+    which 0.34 gave the same flag (``post_conv_g_exp``)."""
+    import dataclasses
+
+    from kwarm_ext.vllm_compat import resolve_or_none
+
+    if getattr(layer, "gdn_prefill_backend", None) != "flashinfer":
+        return False
+    config = resolve_or_none("vllm.model_executor.warmup.qwen_triton_warmup:_QwenGDNWarmupConfig")
+    return dataclasses.is_dataclass(config) and "post_conv_g_exp" in {f.name for f in dataclasses.fields(config)}
 
 
 def gate_inputs(s: Shape, rows: int, dtype, device):

@@ -119,7 +119,7 @@ def install_recorders():
         CHECKPOINT.store_cache_checkpoints_kernel = CheckpointSpy(CHECKPOINT.store_cache_checkpoints_kernel)
     spy(post_mod, "fused_post_conv_prep", lambda a: seen["post_conv"].append(dict(
         L=a["conv_output"].shape[0], x_tok=a["conv_output"].stride(0), x16=ptr16(a["conv_output"]),
-        a_tok=a["a"].stride(0), a16=ptr16(a["a"]), b16=ptr16(a["b"]))))
+        a_tok=a["a"].stride(0), a16=ptr16(a["a"]), b16=ptr16(a["b"]), g_exp=a.get("output_g_exp"))))
     spy(sig_mod, "fused_sigmoid_gating_delta_rule_update", lambda a: seen["sigmoid"].append(dict(
         index_stride=a["ssm_state_indices"].stride(0), index_ndim=a["ssm_state_indices"].dim(),
         bound_state=a["initial_state"].data_ptr() == ssm_cache.data_ptr(), l2=a["use_qk_l2norm_in_kernel"])))
