@@ -82,12 +82,14 @@ import time
 from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.model_runner import dummy_runner, eager_range, one_process
-from kwarm_ext.vllm_compat import Missing, bind, resolve
+from kwarm_ext.vllm_compat import Missing, bind, resolve, resolve_or_none
 
 NAME = "fused_moe"
 KERNEL = "fused_moe_kernel"
 TRITON_KERNELS = (KERNEL,)  # what this family compiles at start
 _CONFIG_FN = "vllm.model_executor.layers.fused_moe.fused_moe:try_get_optimal_moe_config"
+# vLLM 0.34+: block-FP8 experts also look up the down projection's own tuned table (``*_down.json``)
+_TABLES_FN = "vllm.model_executor.layers.fused_moe.fused_moe:get_moe_configs"
 _KERNEL_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"  # fused_moe_kernel, 0.20-0.33
 # The probe's dummy run meets the kernel's first two specializations: on empty caches two
 # compiles of about 0.5 s each (35 took 18 s one by one on Qwen3-Next-80B dimensions, H200,
@@ -168,16 +170,20 @@ def _freeze(value):
 
 
 @contextlib.contextmanager
-def observed_config_calls(fn):
-    """Record every call of `fn` (vLLM's ``try_get_optimal_moe_config``) made in the block.
+def observed_config_calls(fn, tables_fn=None, down_tables: list | None = None):
+    """Record every call of `fn` (vLLM's ``try_get_optimal_moe_config``) made in the block, and
+    into `down_tables` every down-projection table `tables_fn` (``get_moe_configs`` called with
+    ``down_moe=True``, vLLM 0.34+) returned there.
 
     Why this patch exists: the fused-MoE experts (``experts/triton_moe.py`` from 0.24,
     ``fused_moe.py`` in 0.20-0.23) import the function by name and pass it arguments built
     deep inside the modular kernel (weight views, the quant config's dtype name, block
-    shape), which no public API exposes. Every module of ``vllm.model_executor.layers.
-    fused_moe`` that holds `fn` gets a recording stand-in for the duration of the block,
-    calling through to `fn`, and gets `fn` back in a ``finally``. Needed on every vLLM that
-    has this function (0.20-0.33); it can go with this family.
+    shape), which no public API exposes. From 0.34 block-FP8 experts also pick the down
+    projection's config from a table of its own, the entry nearest the token count, in the same
+    place. Every module of ``vllm.model_executor.layers.fused_moe`` that holds `fn` (or
+    `tables_fn`) gets a recording stand-in for the duration of the block, calling through, and
+    gets the original back in a ``finally``. Needed on every vLLM that has this function
+    (0.20-0.34); it can go with this family.
     """
     calls = []
 
@@ -185,15 +191,30 @@ def observed_config_calls(fn):
         calls.append((args, kwargs))
         return fn(*args, **kwargs)
 
-    holders = [mod for name, mod in list(sys.modules.items())
-               if name.startswith(_MOE_PACKAGE) and getattr(mod, "try_get_optimal_moe_config", None) is fn]
-    for mod in holders:
-        mod.try_get_optimal_moe_config = recording
+    def recording_tables(*args, **kwargs):
+        table = tables_fn(*args, **kwargs)
+        if down_tables is not None and table and bind(tables_fn, *args, **kwargs).arguments.get("down_moe"):
+            if all(table is not t for t in down_tables):
+                down_tables.append(table)
+        return table
+
+    swaps = [(name, orig, new) for name, orig, new in (("try_get_optimal_moe_config", fn, recording),
+                                                       ("get_moe_configs", tables_fn, recording_tables))
+             if orig is not None]
+    holders = [(mod, name, orig, new) for modname, mod in list(sys.modules.items()) if modname.startswith(_MOE_PACKAGE)
+               for name, orig, new in swaps if getattr(mod, name, None) is orig]
+    for mod, name, _, new in holders:
+        setattr(mod, name, new)
     try:
         yield calls
     finally:
-        for mod in holders:
-            mod.try_get_optimal_moe_config = fn
+        for mod, name, orig, _ in holders:
+            setattr(mod, name, orig)
+
+
+def nearest(table: dict, m: int) -> dict:
+    """The entry of a tuned table production takes at token count `m` (the nearest key)."""
+    return table[min(table, key=lambda k: abs(k - m))]
 
 
 # ---------------------------------------------------------------------------- classes
@@ -203,8 +224,9 @@ def period(top_k: int | None) -> int:
     return 16 // math.gcd(top_k, 16) if top_k else 16
 
 
-def region_key(fn, calls, m: int) -> tuple:
-    """What decides the kernel's key at token count `m`, for every observed call shape."""
+def region_key(fn, calls, m: int, down_tables=()) -> tuple:
+    """What decides the kernel's key at token count `m`, for every observed call shape (and
+    every down-projection table, 0.34+)."""
     key = []
     for call in calls:
         cfg = call.config(fn, m)
@@ -213,14 +235,16 @@ def region_key(fn, calls, m: int) -> tuple:
         key.append((tuple(sorted(cfg.items())), small,
                     small and call.top_k is not None and call.num_experts is not None
                     and m * call.top_k < call.num_experts))
+    for table in down_tables:
+        key.append((tuple(sorted(nearest(table, m).items())),))
     return tuple(key)
 
 
-def regions(fn, calls, first: int, last: int) -> list:
+def regions(fn, calls, first: int, last: int, down_tables=()) -> list:
     """[[lo, hi, key]] for maximal runs of token counts with one :func:`region_key`."""
     out: list = []
     for m in range(first, last + 1):
-        key = region_key(fn, calls, m)
+        key = region_key(fn, calls, m, down_tables)
         if out and out[-1][2] == key:
             out[-1][1] = m
         else:
@@ -271,7 +295,8 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
     with torch.inference_mode():
         cached = triton_compile.disk_cache_entries()
         t0 = time.perf_counter()
-        with observed_config_calls(config_fn) as seen:
+        down_tables: list = []
+        with observed_config_calls(config_fn, resolve_or_none(_TABLES_FN), down_tables) as seen:
             dummy_run(first)
         probe_s = time.perf_counter() - t0
         if not seen:
@@ -280,7 +305,7 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
             return [f"probe M={first}"]
         calls = sorted({config_call(config_fn, a, k) for a, k in seen}, key=repr)
         step = max(period(c.top_k) for c in calls)
-        spans = regions(config_fn, calls, first, last)
+        spans = regions(config_fn, calls, first, last, down_tables)
         sizes = representatives(spans, step)
         if not alone:
             ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" (probe {probe_s:.2f} s)"
@@ -297,5 +322,5 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
         summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
                  f"(M {first}..{last}, every {step} per region); {ahead}"),
         regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans], probe_s=round(probe_s, 3),
-        token_counts=sizes, config_calls=len(calls))
+        token_counts=sizes, config_calls=len(calls), down_tables=len(down_tables))
     return [f"M={lo}..{hi}: {', '.join(str(m) for m in sizes if lo <= m <= hi)}" for lo, hi, _ in spans]

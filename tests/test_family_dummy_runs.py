@@ -36,7 +36,10 @@ try:  # what registers in the forward context: MoERunner (0.24+), else the Fused
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner as MoELayer
 except ImportError:
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE as MoELayer
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+try:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+except ImportError:  # 0.34 removed the V1 runner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
 
@@ -80,8 +83,11 @@ class Runner:
             raise RuntimeError("dummy run failed")
         if self.case.get("experts", "triton") == "triton":
             production.try_get_optimal_moe_config(
-                tuple(self.case["w1"]), tuple(self.case["w2"]), self.case["top_k"], None, num_tokens,
-                block_shape=None)
+                tuple(self.case["w1"]), tuple(self.case["w2"]), self.case["top_k"], self.case.get("dtype"),
+                num_tokens, block_shape=self.case.get("block"))
+            if self.case.get("down"):  # 0.34's block-FP8 experts: the down projection's own table
+                production.get_moe_configs(self.case["w2"][0], self.case["w2"][2], self.case["dtype"], 128, 128,
+                                           down_moe=True)
 
 
 Runner._dummy_run.__signature__ = inspect.signature(GPUModelRunner._dummy_run)
@@ -132,8 +138,12 @@ def run_case(case):
             "eager_range": list(family.eager_range(SimpleNamespace(
                 runner=runner, max_num_batched_tokens=case["max_tokens"],
                 enforce_eager=case.get("enforce_eager", False)))),
-            "table": {str(m): REAL(tuple(case["w1"]), tuple(case["w2"]), case["top_k"], None, m, None)
-                      for m in case.get("table_at", [])}}
+            "table": {str(m): REAL(tuple(case["w1"]), tuple(case["w2"]), case["top_k"], case.get("dtype"), m,
+                                   case.get("block"))
+                      for m in case.get("table_at", [])},
+            "down_table": {str(m): dict(family.nearest(down, m)) for m in case.get("table_at", [])
+                           for down in [fm.get_moe_configs(case["w2"][0], case["w2"][2], case.get("dtype"), 128, 128,
+                                                           down_moe=True)] if case.get("down") and down}}
 
 
 print("RESULT " + json.dumps({name: run_case(case) for name, case in CASES.items()}))
@@ -273,3 +283,31 @@ def test_eager_attention_leaves_flashinfer_to_upstream(release):
     result = _batch(release)["attention_flashinfer"]
     assert result["calls"] == []
     assert result["eager"]["steps"][0]["reason"] == "covered by upstream kernel_warmup (FlashInfer attention)"
+
+
+# vLLM 0.34: block-FP8 experts (E=256, N=512, a shape of its H200 "*_down.json" tables) take the down
+# projection's config from a table of its own; graphs up to 512 tokens, eager up to 4096.
+FP8_DOWN = {"w1": [256, 1024, 7168], "w2": [256, 7168, 512], "top_k": 8, "mode": "FULL_AND_PIECEWISE",
+            "capture": 512, "max_tokens": 4096, "dtype": "fp8_w8a8", "block": [128, 128], "down": True,
+            "table_at": list(range(513, 4097))}
+
+
+def test_fp8_down_projection_table_splits_the_regions():
+    """0.34's block-FP8 experts pick the down projection's config from ``*_down.json``, the entry
+    nearest the token count: a different entry is a different kernel key, so the regions split
+    where either table's entry changes, and each region holds one entry of both."""
+    result = run_cases(SCENARIO, {"fp8_down": FP8_DOWN}, "0.34.0")["fp8_down"]
+    fam = result["family"]
+    assert fam["status"] == "ran", fam
+    assert fam["details"]["down_tables"] == 1
+    table = {int(m): cfg for m, cfg in result["table"].items()}
+    down = {int(m): cfg for m, cfg in result["down_table"].items()}
+    assert len({repr(sorted(c.items())) for c in down.values()}) > 1, "the down table has several entries here"
+    regions = [r["M"] for r in fam["details"]["regions"]]
+    assert regions[0][0] == 513 and regions[-1][1] == 4096
+    for lo, hi in regions:
+        assert all(table[m] == table[lo] and down[m] == down[lo] for m in range(lo, hi + 1)), (lo, hi)
+    for (_, hi), (lo, _) in zip(regions, regions[1:]):
+        assert table[hi] != table[lo] or down[hi] != down[lo], "neighbours differ in one of the tables"
+    assert any(table[hi] == table[lo] for (_, hi), (lo, _) in zip(regions, regions[1:])), \
+        "some regions are split by the down table alone"
