@@ -62,3 +62,32 @@ def test_where_vllm_loads_the_plugins_itself_the_front_end_does_nothing(monkeypa
     assert frontend.warm(processor) is None
     assert kwarm_log.messages() == []
     assert any("covered upstream" in m for m in kwarm_log.messages(0))
+
+
+def test_on_0_34_the_real_input_processor_loads_them_itself_and_kwarm_stays_silent():
+    """vLLM 0.34.0 (no ``vllm.v1.sample.logits_processor``): kwarm's wrapper around a real
+    ``InputProcessor`` whose own ``_build_logits_processors_params_validator`` ran, under
+    ``KWARM_STRICT=1``: nothing raised, no warning, the validator vLLM built is there."""
+    from conftest import run_py
+
+    out = result_of(run_py("""
+import importlib.util, json, logging, os
+os.environ.update(KWARM_ENABLE="1", KWARM_STRICT="1")
+from types import SimpleNamespace
+from vllm.v1.engine.input_processor import InputProcessor
+from kwarm_ext import patches
+logs = []
+handler = logging.Handler()
+handler.emit = lambda record: logs.append((record.levelname, record.getMessage()))
+logging.getLogger("kwarm").addHandler(handler)
+processor = InputProcessor.__new__(InputProcessor)
+processor.model_config = SimpleNamespace(logits_processors=None, runner_type="generate")
+def init(*args, **kwargs):  # the part of vLLM's __init__ that builds the validator
+    processor.validate_logits_processors_params = processor._build_logits_processors_params_validator()
+patches._wrap_input_processor_init(init, processor, (), {})
+print("RESULT " + json.dumps({"module": importlib.util.find_spec("vllm.v1.sample.logits_processor") is not None,
+                              "validator": callable(processor.validate_logits_processors_params),
+                              "warnings": [m for level, m in logs if level != "INFO"],
+                              "covered": any("covered upstream" in m for _, m in logs)}))
+""", env=cpu_triton_env(), release="0.34.0", timeout=240))
+    assert out == {"module": False, "validator": True, "warnings": [], "covered": True}
