@@ -270,7 +270,8 @@ BACKEND_RES = [re.compile(p) for p in (
     r"Using \S+ attention backend.*", r"Using \S+ backend\.$", r"Using .* GDN prefill kernel.*",
     r"Using FlashInfer for top-p & top-k sampling.*", r"Using \S+ MLA prefill backend.*",
     r"Using .*(?:MoE|[Ee]xperts|moe).*", r".*[Ff]lash[Ii]nfer.*(?:sampl|not available|fall).*",
-    r"Using V2 Model Runner.*", r"Using \S+ KV cache layout.*", r".*[Ss]tructured output.*backend.*")]
+    r"Using V2 Model Runner.*", r"Using \S+ KV cache layout.*", r".*[Ss]tructured output.*backend.*",
+    r".*KV cache size: [\d,]+ tokens.*")]  # the KV cache vLLM sized: equal with and without kwarm
 
 
 def log_message(line: str) -> str:

@@ -193,12 +193,15 @@ def test_backends_come_from_vllms_own_log_lines():
         "kernel (requested=auto, head_k_dim=128).",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:04 [kv_cache_utils.py:1169] GPU KV cache size: 1,234,816 tokens, "
+        "Maximum concurrency for 12,288 tokens per request: 100.49x",
         "(APIServer pid=10) INFO 12-05 08:01:09 [api_server.py:1] Starting vLLM API server on http://127.0.0.1:8100",
     ]
     assert serve_bench.backends_from_log(lines) == [
         "Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN'].",
         "Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128).",
-        "Using FlashInfer for top-p & top-k sampling."]
+        "Using FlashInfer for top-p & top-k sampling.",
+        "GPU KV cache size: 1,234,816 tokens, Maximum concurrency for 12,288 tokens per request: 100.49x"]
 
 
 def test_servers_never_get_a_backend_forcing_variable_and_each_has_its_own_caches(tmp_path):
