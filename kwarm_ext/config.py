@@ -199,9 +199,11 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
         known_families = selectable()
     problems: list[str] = []
 
-    def bad(var, value, default, why, in_force=None):
-        """One problem line naming the value in force: the default, or (`in_force`) what of the value was kept."""
-        using = f"using the default {default!r}" if in_force is None else f"using {in_force!r}"
+    def bad(var, value, default, why, in_force=None, using=None):
+        """One problem line naming the value in force: the default, or (`in_force`) what of the value was
+        kept, or (`using`) what happens instead, in words."""
+        if using is None:
+            using = f"using the default {default!r}" if in_force is None else f"using {in_force!r}"
         problems.append(f"{var}={value!r} is invalid ({why}); {using}")
 
     def boolean(var, default=False):
@@ -238,9 +240,20 @@ def _parse_file_path(env, var, bad) -> str | None:
     value = env.get(var, "").strip() or None
     if value is not None:
         value = os.path.expanduser(value)  # "~/m.json" is the home's, as in a shell
+    instead = "no report is written" if var == "KWARM_REPORT" else "using the default manifest path"
     if value is not None and os.path.isdir(value):
-        bad(var, value, None, "it is a directory; give a file path")
+        bad(var, value, None, "it is a directory; give a file path", using=instead)
         return None
+    folder = os.path.dirname(os.path.abspath(value)) if value is not None else None
+    if folder is not None and not os.path.isdir(folder):
+        # kwarm creates a missing folder when it writes; say so now if it cannot
+        ancestor = folder
+        while not os.path.exists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+            bad(var, value, None, f"its folder {folder} does not exist and cannot be created in {ancestor}",
+                using=instead)
+            return None
     return value
 
 

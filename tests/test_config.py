@@ -29,7 +29,13 @@ def test_enable_truthy(value):
     ("KWARM_STRICT", "2", "KWARM_STRICT='2' is invalid (expected one of 1/true/yes/on or 0/false/no/off); using the default '0'"),
     ("KWARM_LOG_LEVEL", "LOUD", "KWARM_LOG_LEVEL='LOUD' is invalid (expected one of DEBUG, INFO, WARNING, ERROR); using the default 'INFO'"),
     ("KWARM_WARMUPS", "bogus", "KWARM_WARMUPS='bogus' is invalid (unknown family bogus; known: runner, qwen_gdn, dsa_indexer); using the default '*'"),
-    ("KWARM_REPORT", "/", "KWARM_REPORT='/' is invalid (it is a directory; give a file path); using the default None"),
+    ("KWARM_REPORT", "/", "KWARM_REPORT='/' is invalid (it is a directory; give a file path); no report is written"),
+    ("KWARM_REPORT", "/etc/passwd/kwarm/r.json",
+     "KWARM_REPORT='/etc/passwd/kwarm/r.json' is invalid (its folder /etc/passwd/kwarm does not exist and cannot be "
+     "created in /etc/passwd); no report is written"),
+    ("KWARM_MANIFEST", "/etc/passwd/m.json",
+     "KWARM_MANIFEST='/etc/passwd/m.json' is invalid (its folder /etc/passwd does not exist and cannot be created "
+     "in /etc/passwd); using the default manifest path"),
 ])
 def test_bad_values_each_get_one_clear_problem(var, value, expect):
     s = parse(**{var: value})
@@ -111,3 +117,10 @@ def test_a_warning_names_the_value_in_force(var, raw, message):
         in_force = message.split("'")[1]
         assert [n for n in known if s.warmups.wants(n)] == \
             [n for n in known if config.parse({var: in_force}, known_families=known).warmups.wants(n)]
+
+
+def test_a_missing_folder_kwarm_can_create_is_no_problem(tmp_path):
+    """kwarm creates a report's or manifest's missing folder when it writes: only one it cannot create
+    (its nearest existing folder is not writable, or is a file) is a problem, said at start."""
+    s = parse(KWARM_REPORT=str(tmp_path / "a" / "b" / "r.json"), KWARM_MANIFEST=str(tmp_path / "m" / "m.json"))
+    assert s.problems == () and s.report == str(tmp_path / "a" / "b" / "r.json")

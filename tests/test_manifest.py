@@ -92,7 +92,7 @@ def test_new_settings_parse_with_defaults():
     ("KWARM_LEARN_INTERVAL", "-3", "KWARM_LEARN_INTERVAL='-3' is invalid (expected a number of seconds from 0 to 86400); "
                                    "using the default '60'"),
     ("KWARM_MANIFEST", "/", "KWARM_MANIFEST='/' is invalid (it is a directory; give a file path); "
-                            "using the default None"),
+                            "using the default manifest path"),
     ("KWARM_ALLOW_MODULES", "good., bad name, 9x", "KWARM_ALLOW_MODULES='good., bad name, 9x' is invalid "
                                                    "(not module names: bad name, 9x); using 'good.'"),
 ])
