@@ -31,7 +31,7 @@ import types
 
 # What a scenario of the suite imports anyway; the heaviest part of each interpreter's start.
 READY = "kwarm-forkserver-ready"  # after vLLM's import-time log lines, which go to stdout too
-PRELOAD = ("torch", "triton", "vllm", "vllm.config", "vllm.v1.worker.gpu_model_runner")
+PRELOAD = ("torch", "triton", "vllm", "vllm.config", "vllm.v1.worker.gpu_worker")  # the worker: V1 or V2 runner
 
 
 def run_request(request: dict) -> int:

@@ -1,6 +1,6 @@
 """The dsa_indexer family against the real vLLM, on CPU.
 
-Each release (0.20.0, 0.22.0, 0.24.0, 0.26.0, 0.28.0, and 0.33.0) runs once, in a fresh
+Each release (0.20.0, 0.22.0, 0.24.0, 0.26.0, 0.28.0, 0.33.0 and 0.34.0) runs once, in a fresh
 interpreter under ``TRITON_INTERPRET=1`` (``cpu_triton_env()``): the family plans and runs
 its steps against vLLM's real Triton kernels with CPU tensors shaped like the tiny
 DeepSeek-V3.2 (bench/models/tiny-deepseek-v32: index_topk 256, 64 heads,
@@ -10,9 +10,12 @@ would compile for it on a GPU (``native_specialize_impl`` per argument: pointer 
 16-byte alignment, the 1 / multiple-of-16 / other class of ints, constexpr values, launch
 options), so the tests compare real specialization keys, not our labels.
 
-Real vLLM objects: the attention backends, ``AttentionGroup``, ``MultiGroupBlockTable`` (the
-V1 runner's block table, with its real width), the entry functions and their kernels,
-``split_indexer_prefill_chunks``, upstream's own warmups and (0.33) ``JitWarmupRegistry``.
+Real vLLM objects: the attention backends, ``AttentionGroup``, the runner's block tables with
+their real width (0.20-0.33: the V1 runner's ``MultiGroupBlockTable``; 0.34, which removed the V1
+runner: Model Runner V2's ``BlockTables``, its rows gathered into ``input_block_tables`` by its own
+kernels), the entry functions and their kernels, production's prefill chunking
+(``split_indexer_prefill_chunks``; the builder's static ``_split_indexer_prefill_chunks`` on
+0.33+), upstream's own warmups and (0.33+) ``JitWarmupRegistry``.
 Stand-ins, because they cannot exist without a GPU: the metadata builders (their
 constructors read the device's SM count and allocate CUDA buffers; the stand-ins carry the
 attributes the family reads), the runner and worker (namespaces holding the real block table
@@ -22,7 +25,8 @@ fp8_ds_mla shape).
 
 0.33.0's vLLM does not import whole on this venv (``humming``), but the modules the family
 touches do, so beyond resolving and binding its symbols the family's plan and steps run there
-too.
+too. On 0.34 the indexer on ShardQ (``use_shardq``) passes the token positions: those cases run
+beside the others.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from conftest import release_version as v
 
 CONFIG = str(REPO / "bench" / "models" / "tiny-deepseek-v32" / "config.json")
 MARK = "KWARM-DSA-RESULT "
-RELEASES = (*MATRIX, "0.33.0")
+RELEASES = (*MATRIX, "0.33.0", "0.34.0")
 TABLE_WIDTH = 128  # cdiv(8192, 64): the real block-table width of both KV-cache groups
 # Rows committed to the runner's block table: group 0 (FLASHMLA_SPARSE), group 1 (indexer).
 TABLE_ROWS = {0: [[10, 11], [12, 13]], 1: [[20, 21], [22, 23]]}
@@ -100,8 +104,13 @@ def expected_convert(entry: dict, block_size: int) -> tuple[list, list]:
 
 
 SPEC_OF_CLASS = {"one": ["constexpr", "1"], "div16": ["i32", "D"], "other": ["i32", ""]}
-ALL_CASES = [[s, e, a] for a in (True, False) for s, e in
-             ((0, 1), (0, 16), (0, 15), (1, 16), (1, 15), (5, 16), (5, 7))]
+SLICES = ((0, 1), (0, 16), (0, 15), (1, 16), (1, 15), (5, 16), (5, 7))
+ALL_CASES = [[s, e, a] for a in (True, False) for s, e in SLICES]
+SHARDQ_CASES = [[s, e, a, p] for p in (True, False) for a in (True, False) for s, e in SLICES]
+
+
+def shardq_release(release: str) -> bool:
+    return v(release) >= (0, 34)  # build_prefill_chunk_metadata takes positions (ShardQ)
 
 
 def int_class(value: int) -> str:
@@ -178,6 +187,9 @@ def test_steps_read_their_groups_block_table(release):
 def test_chunk_metadata_is_correct(release):
     cases = scenario(release)["chunk_cases"]
     assert [c["case"] for c in cases] == ALL_CASES
+    if shardq_release(release):  # with positions: the same metadata (they are the tokens' own)
+        assert [c["case"] for c in scenario(release)["shardq_cases"]] == SHARDQ_CASES
+        cases = cases + scenario(release)["shardq_cases"]
     for case in cases:
         got = {k: case[k] for k in expected_chunk(case)}
         assert got == expected_chunk(case), case["label"]
@@ -211,9 +223,10 @@ def test_chunk_warmup_covers_production_keys(release):
     """Batches chunked the way DeepseekV32IndexerMetadataBuilder.build chunks them compile
     nothing the (forced) warmup did not."""
     result = scenario(release)
-    if "production" not in result:
-        pytest.skip("split_indexer_prefill_chunks is a builder method in this release")
     assert result["production"]["sub_chunks"] == [[4, 5, 0, 8], [4, 5, 8, 16], [4, 5, 16, 20]]
+    assert result["production"]["two_chunks"] == [[2, 3, 0, 6], [3, 4, 0, 6], [3, 4, 6, 7]]
+    if v(release) >= (0, 34):  # the fused MQA+top-k kernel's chunks: one of 16384 rows at most
+        assert result["production"]["fused_topk"] == [[1, 2, 0, 40]]
     production = result["production_chunk_launches"]
     specs = [launch["spec"] for launch in production]
     # the oracle really reaches the hard classes
@@ -223,6 +236,40 @@ def test_chunk_warmup_covers_production_keys(release):
                                                               for s in specs]
     (forced,) = [s for s in result["plans"]["forced"] if s["name"] == "prefill_chunk_metadata"]
     assert keys(production) <= keys(forced["launches"])
+    if not shardq_release(release):
+        assert "production_shardq" not in result
+        return
+    # ShardQ (0.34): build's positions, chunk by chunk, reach every alignment of positions and
+    # seq_lens, each a key the forced ShardQ warmup compiled
+    shardq = result["production_shardq_launches"]
+    assert {(s["spec"]["positions_ptr"][1], s["spec"]["uncompressed_seq_lens_ptr"][1]) for s in shardq} == {
+        ("D", "D"), ("D", ""), ("", "D"), ("", "")}
+    (forced,) = [s for s in result["plans"]["shardq_forced"] if s["name"] == "prefill_chunk_metadata"]
+    assert keys(shardq) <= keys(forced["launches"])
+    assert not keys(shardq) & keys(production)  # positions are their own keys
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_shardq_positions_are_distinct_real_keys(release):
+    """0.34: an indexer on ShardQ adds each key class with its positions at an aligned and a
+    misaligned address; older releases take no positions, so the builder's flag changes nothing."""
+    result = scenario(release)
+    assert result["shardq"] == shardq_release(release)
+    forced = steps(result, "shardq_forced")["prefill_chunk_metadata"]
+    if not shardq_release(release):
+        assert len(forced["labels"]) == 14 and not any("positions" in label for label in forced["labels"])
+        return
+    assert len(forced["labels"]) == 42 and len(keys(forced["launches"])) == 42
+    for case in result["shardq_cases"]:
+        (launch,) = case["launches"]
+        positions = case["case"][3]
+        assert case["label"].endswith(f"positions={'aligned' if positions else 'misaligned'}")
+        assert launch["spec"]["positions_ptr"] == ["*i32", "D" if positions else ""]
+        assert launch["spec"]["uncompressed_seq_lens_ptr"] == ["*i32", "D" if case["case"][2] else ""]
+        assert case["positions"] == [s - q + j for q, s in zip(case["query_lens"], case["seq_lens"])
+                                     for j in range(q)]  # each token's position in its request
+    plain = keys(c["launches"][0] for c in result["chunk_cases"])
+    assert not plain & keys(c["launches"][0] for c in result["shardq_cases"])
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -255,6 +302,18 @@ def test_chunk_upstream_coexistence(release):
         theirs, ours = keys(result["upstream_chunk_launches"]), keys(run["launches"])
         assert not theirs & ours
         assert keys(forced["prefill_chunk_metadata"]["launches"]) <= theirs | ours
+    shardq = steps(result, "shardq")
+    if shardq_release(release):  # 0.34's registry: positions at an aligned address (sparse_mla_shard_q)
+        assert shardq["prefill_chunk_metadata"]["labels"] == [
+            f"qs_start={s}({int_class(s)}) qs_stop={e}({int_class(e)}) seq_lens={a} positions=misaligned"
+            for a in ("aligned", "misaligned") for s, e in SLICES]
+        assert shardq["prefill_chunk_metadata[upstream]"]["skip"] == (
+            "covered by upstream JIT warmup registry (28 of 42 key classes: query slices "
+            + " ".join(f"[{s}:{e})" for s, e in SLICES) + " x seq_lens aligned+misaligned; positions aligned: "
+            "query slices " + " ".join(f"[{s}:{e})" for s, e in SLICES) + " x seq_lens aligned+misaligned)")
+    else:  # no positions before 0.34: what the default plan does
+        assert {n: (s["skip"], s["labels"]) for n, s in shardq.items() if n.startswith("prefill_chunk")} == {
+            n: (s["skip"], s["labels"]) for n, s in default.items() if n.startswith("prefill_chunk")}
     if "dcp2" in result["plans"]:  # upstream warms the default DCP ints only
         dcp2 = steps(result, "dcp2")
         if v(release) < (0, 30):
@@ -314,6 +373,18 @@ def test_convert_launch_is_production_shaped(release):
         # FlashMLASparse's FP8 prefill call compiles the key the warmup compiled
         (prefill,) = [e for e in result["convert"] if e["variant"][1]]
         assert keys(result["production_convert_launches"]) == keys(prefill["launches"])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_triton_kernels_name_what_the_steps_compile(release):
+    """Every kernel a step launches is in TRITON_KERNELS, under the qualname Triton reports
+    (bench/table.py attributes request-time compiles by it): 0.33+ names JIT-kernel classes'."""
+    from kwarm_ext.kernels.dsa_indexer import TRITON_KERNELS
+    launched = {launch["qualname"] for plan in ("forced", "shardq_forced") for step in scenario(release)["plans"][plan]
+                if step["kernel"] in ("_build_prefill_chunk_metadata_kernel", "_convert_req_index_to_global_index_kernel")
+                for launch in step["launches"]}
+    assert len(launched) == 2
+    assert {".".join(name.split(".")[-2:]) for name in launched} <= set(TRITON_KERNELS)
 
 
 def test_importing_vllm_0_33_leaves_no_build_running():

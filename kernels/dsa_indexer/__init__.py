@@ -11,9 +11,13 @@ Why:
       Its runtime-specialized arguments are ``query_slice_start`` / ``query_slice_stop``
       (Triton int classes: ``1``, multiple of 16, other) and the 16-byte alignment of
       ``uncompressed_seq_lens[start_idx:end_idx]``: decodes come first in a batch, so that
-      int32 view is misaligned whenever ``start_idx % 4 != 0``. Capture never builds
-      prefill metadata (MRV2's prefill warmup step, 0.29+, compiles its one batch's key),
-      so each (start, stop, alignment) class is a first-request compile.
+      int32 view is misaligned whenever ``start_idx % 4 != 0``. On 0.34 an indexer on ShardQ
+      (``use_shardq``: tensor parallelism, ``sparse_mla_shard_q`` on, FLASHMLA_SPARSE with an
+      FP8 cache under 32 heads a rank or FlashInfer's sparse MLA, no DCP/PCP) also passes the
+      tokens' ``positions``, sliced at the chunk's first token: one more pointer, misaligned
+      whenever that many tokens precede it ``% 4 != 0``. Capture never builds prefill metadata
+      (MRV2's prefill warmup step, 0.29+, compiles its one batch's key), so each
+      (start, stop, alignment) class is a first-request compile.
     - ``_convert_req_index_to_global_index_kernel`` (``v1/attention/backends/mla/sparse_utils.py``),
       launched by FLASHMLA_SPARSE through ``triton_convert_req_index_to_global_index``.
       FULL CUDA-graph capture compiles the decode variant; the FP8-KV prefill-workspace
@@ -49,7 +53,10 @@ How:
     production ones. Small fresh tensors on the runner's device under
     ``torch.inference_mode()``; the block table passed in is a row slice of the runner's
     real one for that KV-cache group (read only: neither kernel writes it, and nothing here
-    touches KV blocks). DCP arguments (0.25+) come from the live indexer metadata builder;
+    touches KV blocks): the V1 runner's ``MultiGroupBlockTable`` (0.20-0.33), Model Runner V2's
+    ``input_block_tables`` (the only runner on 0.34). DCP arguments (0.25+) and ShardQ (0.34:
+    ``use_shardq``, the positions of the warm batch's tokens) come from the live indexer
+    metadata builder;
     the convert variants from the live FLASHMLA_SPARSE builder (KV dtype, mixed-batch
     choice), the CUDA-graph mode and the entry's signature. 0.30+ changed the convert call
     (BLOCK_STRIDE_ROWS, index groups): only its FP8 prefill-workspace call is modelled
@@ -99,9 +106,11 @@ Upstream:
     ``qs_start`` in {0, 1} x ``qs_stop`` in {16, 15} x aligned/+4 B (8 keys, default DCP
     arguments); 0.27-0.29 ``sparse_mla_triton_warmup`` ->
     ``_BUILD_PREFILL_CHUNK_METADATA_KERNEL.warmup`` (0.28: ``qs_start`` in {0, 1},
-    ``qs_stop`` in {1, 15, 16}); 0.30+ the JIT warmup registry (0.33: all 3 x 3 classes, and
-    the convert kernel for flat/BF16 KV caches only). Each is gated as upstream gates it
-    (``enable_jit_warmup``, pooling, backends). This family computes the keys upstream warms
+    ``qs_stop`` in {1, 15, 16}); 0.30+ the JIT warmup registry (0.33-0.34: all 3 x 3 classes,
+    and the convert kernel for flat/BF16 KV caches only; 0.34 with ``sparse_mla_shard_q``, its
+    default, also ShardQ's positions, but at an aligned address only, so the misaligned ones are
+    kwarm's). Each is gated as upstream gates it (``enable_jit_warmup``, which 0.34's
+    ``enforce_eager`` turns off, pooling, backends). This family computes the keys upstream warms
     (calling upstream's own ``get_warmup_keys`` where it exists), warms only the rest and
     names the covered keys in a ``[upstream]`` skipped step, unless forced.
     No release (0.20-0.33) warms the indexer's DeepGEMM kernels: ``deep_gemm_warmup`` covers
@@ -113,8 +122,9 @@ Upstream:
 
 Remove when:
     The oldest supported vLLM warms every ``qs_start`` class of the chunk kernel (0.33's
-    registry does) and the FP8-KV prefill-workspace variant of the convert kernel (0.33 does
-    not: it registers the convert kernel only for flat KV caches); and warms the indexer's
+    registry does) and ShardQ's misaligned positions (0.34's does not), and the FP8-KV
+    prefill-workspace variant of the convert kernel (0.33-0.34 do not: they register the
+    convert kernel only for flat KV caches); and warms the indexer's
     ``fp8_fp4_mqa_logits``, its paged logits for every native ``next_n`` and the metadata
     kernel for every batch class (none does yet); and warms ``fused_q``'s MHA query layout
     (0.33 does not).
@@ -122,7 +132,7 @@ Remove when:
 from __future__ import annotations
 
 from kwarm_ext.families import Step
-from kwarm_ext.kernels.dsa_indexer.chunk_metadata import CHUNK_CASES, _chunk_steps, chunk_args, run_chunk_case
+from kwarm_ext.kernels.dsa_indexer.chunk_metadata import CHUNK_CASES, SHARDQ_CASES, _chunk_steps, chunk_args, run_chunk_case
 from kwarm_ext.kernels.dsa_indexer.common import (
     CHUNK_KERNEL, CONVERT_KERNEL, FUSED_Q_KERNEL, INDEXER_BACKEND, MQA_LOGITS, PAGED_METADATA, PAGED_MQA_LOGITS,
     SPARSE_MLA_BACKEND, TRITON_KERNELS)
@@ -134,7 +144,7 @@ from kwarm_ext.kernels.dsa_indexer.mqa_logits import _deep_gemm_steps, deep_gemm
 # The family's parts (one module each, beside the constants and helpers they share in common):
 # chunk_metadata, index_conversion, mqa_logits and fused_q. What the tests and `kwarm doctor` read:
 __all__ = ["applies", "plan", "TRITON_KERNELS", "CHUNK_KERNEL", "CONVERT_KERNEL", "MQA_LOGITS",
-           "PAGED_MQA_LOGITS", "PAGED_METADATA", "INDEXER_BACKEND", "SPARSE_MLA_BACKEND", "CHUNK_CASES",
+           "PAGED_MQA_LOGITS", "PAGED_METADATA", "INDEXER_BACKEND", "SPARSE_MLA_BACKEND", "CHUNK_CASES", "SHARDQ_CASES",
            "chunk_args", "run_chunk_case", "convert_args", "convert_variants", "run_convert_variant",
            "deep_gemm_entries", "FUSED_Q_KERNEL", "layer_variants", "run_variant"]
 

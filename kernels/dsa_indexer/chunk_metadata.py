@@ -1,6 +1,7 @@
 """dsa_indexer, part 1: ``_build_prefill_chunk_metadata_kernel`` (the indexer's prefill chunk
-metadata), every ``qs_start``/``qs_stop`` integer class and seq-lens alignment (see the package
-docstring)."""
+metadata), every ``qs_start``/``qs_stop`` integer class and seq-lens alignment, and on 0.34+
+engines whose indexer runs ShardQ, every alignment of the token positions it passes (see the
+package docstring)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,24 +27,34 @@ from kwarm_ext.kernels.dsa_indexer.common import (
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCase:
-    """One ``_build_prefill_chunk_metadata_kernel`` key class: slice classes and alignment."""
+    """One ``_build_prefill_chunk_metadata_kernel`` key class: slice classes and alignment, and
+    ShardQ's positions (0.34+): None where production passes none, else whether the address of
+    the chunk's positions is 16-byte aligned (``positions[query_start_loc[start_idx]:]``, one
+    int32 per token ahead of the chunk: misaligned whenever their count % 4 != 0, independently
+    of seq_lens's alignment where decodes have several tokens or a chunk starts later)."""
 
     qs_start: int
     qs_stop: int
     aligned: bool
+    positions: bool | None = None
 
     @property
     def key(self) -> tuple:
-        return int_class(self.qs_start), int_class(self.qs_stop), self.aligned
+        return int_class(self.qs_start), int_class(self.qs_stop), self.aligned, self.positions
 
-    def label(self, aligned: bool | None = None) -> str:
+    def label(self, aligned: bool | None = None, positions: bool | None = None) -> str:
         aligned = self.aligned if aligned is None else aligned
+        positions = self.positions if positions is None else positions
         return (f"qs_start={self.qs_start}({int_class(self.qs_start)}) "
                 f"qs_stop={self.qs_stop}({int_class(self.qs_stop)}) "
-                f"seq_lens={'aligned' if aligned else 'misaligned'}")
+                f"seq_lens={'aligned' if aligned else 'misaligned'}"
+                + ("" if positions is None else f" positions={'aligned' if positions else 'misaligned'}"))
 
 
 CHUNK_CASES = tuple(ChunkCase(s, e, a) for a in (True, False) for s, e in QUERY_SLICES)
+# 0.34+, an indexer on ShardQ (``use_shardq``: tensor parallelism, sparse_mla_shard_q, no DCP/PCP,
+# no FULL mixed CUDA graphs) passes positions on its prefill steps: these classes too.
+SHARDQ_CASES = tuple(ChunkCase(s, e, a, p) for p in (True, False) for a in (True, False) for s, e in QUERY_SLICES)
 
 
 # -- _build_prefill_chunk_metadata_kernel ----------------------------------------------------
@@ -55,6 +66,11 @@ class ChunkArgs:
     group_id: int
     compress_ratio: int
     dcp: dict  # dcp_rank / dcp_world_size / cp_kv_cache_interleave_size (0.25+), else {}
+    shardq: bool = False  # 0.34+: the builder's use_shardq (production passes positions)
+
+    @property
+    def cases(self) -> tuple:
+        return CHUNK_CASES + (SHARDQ_CASES if self.shardq else ())
 
     @property
     def dcp_classes(self) -> tuple:
@@ -82,7 +98,8 @@ def chunk_args(view, fn) -> ChunkArgs:
             rank = 0 if world == 1 else _dcp_rank()
         dcp = {"dcp_rank": int(rank), "dcp_world_size": int(world),
                "cp_kv_cache_interleave_size": int(interleave)}
-    return ChunkArgs(_need(group, "kv_cache_group_id", "attention group"), int(ratio), dcp)
+    shardq = bool(getattr(builder, "use_shardq", False)) and "positions" in vllm_compat.params(fn)
+    return ChunkArgs(_need(group, "kv_cache_group_id", "attention group"), int(ratio), dcp, shardq)
 
 
 def _dcp_rank() -> int:
@@ -100,6 +117,7 @@ class ChunkResult:
     query_lens: list
     seq_lens: list
     query_slice: slice
+    positions: object = None  # the step's positions tensor passed (ShardQ cases), else None
 
 
 def run_chunk_case(fn, args: ChunkArgs, device, table_rows, case: ChunkCase) -> ChunkResult:
@@ -123,11 +141,31 @@ def run_chunk_case(fn, args: ChunkArgs, device, table_rows, case: ChunkCase) -> 
     table = table_rows(len(query_lens))
     aligned = seq_lens_dev[start_idx:end_idx].data_ptr() % 16 == 0
     query_slice = slice(case.qs_start, case.qs_stop)
+    extra, positions, positions_aligned = {}, None, None
+    if case.positions is not None:
+        positions = _positions(query_lens, seq_lens, start_idx, case.positions, device)
+        extra["positions"] = positions
+        positions_aligned = positions[query_start_loc_cpu[start_idx]:].data_ptr() % 16 == 0
     metadata = vllm_compat.call(
         fn, start_idx, end_idx, query_start_loc, query_start_loc_cpu, seq_lens_dev, compressed,
         compressed_cpu, table, args.compress_ratio,
-        query_slice=query_slice, skip_kv_gather=query_slice.start > 0, **args.dcp)
-    return ChunkResult(case.label(aligned), aligned, metadata, start_idx, query_lens, seq_lens, query_slice)
+        query_slice=query_slice, skip_kv_gather=query_slice.start > 0, **args.dcp, **extra)
+    return ChunkResult(case.label(aligned, positions_aligned), aligned, metadata, start_idx, query_lens,
+                       seq_lens, query_slice, positions)
+
+
+def _positions(query_lens, seq_lens, start_idx: int, aligned: bool, device):
+    """ShardQ's int32 positions of the step's tokens (each token's position in its request),
+    placed so that the chunk's part, which build_prefill_chunk_metadata slices from the chunk's
+    first token on, is 16-byte aligned or not, as `aligned` says."""
+    import torch
+
+    values = [s - q + j for q, s in zip(query_lens, seq_lens) for j in range(q)]
+    ahead = sum(query_lens[:start_idx])
+    pad = (-ahead) % 4 if aligned else (1 - ahead) % 4
+    buffer = torch.zeros(pad + len(values), dtype=torch.int32, device=device)
+    buffer[pad:] = torch.tensor(values, dtype=torch.int32, device=device)
+    return buffer[pad:]
 
 
 def _warm_chunks(view, fn, args: ChunkArgs, cases) -> list:
@@ -161,7 +199,7 @@ def upstream_chunk_keys(view, args: ChunkArgs) -> tuple[set, list]:
                 and args.dcp_classes == ("div16", "one", "one"):
             offsets = getattr(upstream, "_PREFILL_CHUNK_METADATA_QUERY_SLICE_OFFSETS",
                               ((0, 0), (0, -1), (1, 0), (1, -1)))
-            covered |= {(int_class(s), int_class(2 * q + t), a) for s, t in offsets for a in (True, False)}
+            covered |= {(int_class(s), int_class(2 * q + t), a, None) for s, t in offsets for a in (True, False)}
             sources.append("sparse_mla_triton_warmup_if_needed")
     kernel = resolve_or_none(f"{_INDEXER}:_BUILD_PREFILL_CHUNK_METADATA_KERNEL")
     if kernel is None or not hasattr(kernel, "get_warmup_keys"):
@@ -183,7 +221,9 @@ def upstream_chunk_keys(view, args: ChunkArgs) -> tuple[set, list]:
 
 def _chunk_key_classes(keys, args: ChunkArgs) -> set:
     """Upstream CompileKeys (0.27+) as ChunkCase key classes, those matching production's
-    compress ratio, DCP classes and (no PCP) aligned cu_seq_lens."""
+    compress ratio, DCP classes and (no PCP) aligned cu_seq_lens. A 0.34 key with
+    ``has_positions`` (ShardQ) is the class of aligned positions: upstream's warmup compiles
+    them at an aligned address (``TritonWarmupTensor``), its key has no positions alignment."""
     out = set()
     for k in keys:
         ratio = _first_attr(k, "COMPRESS_RATIO", "compress_ratio", default=1)
@@ -195,7 +235,7 @@ def _chunk_key_classes(keys, args: ChunkArgs) -> set:
                 or not _aligned(variant, "cu_compressed_seq_lens")):
             continue
         out.add((int_class(k.query_slice_start), int_class(k.query_slice_stop),
-                 _aligned(variant, "uncompressed_seq_lens")))
+                 _aligned(variant, "uncompressed_seq_lens"), True if getattr(k, "has_positions", False) else None))
     return out
 
 
@@ -211,25 +251,37 @@ def _chunk_steps(view, forced: bool) -> list:
     try:
         fn = vllm_compat.resolve(f"{_INDEXER}:build_prefill_chunk_metadata")
         args = chunk_args(view, fn)
-        vllm_compat.bind(fn, *([None] * 9), query_slice=None, skip_kv_gather=False, **args.dcp)
+        extra = {"positions": None} if args.shardq else {}
+        vllm_compat.bind(fn, *([None] * 9), query_slice=None, skip_kv_gather=False, **args.dcp, **extra)
     except Missing as exc:
         return [Step(name, CHUNK_KERNEL, skip=str(exc))]
     covered, sources = (set(), []) if forced else upstream_chunk_keys(view, args)
-    todo = [c for c in CHUNK_CASES if c.key not in covered]
-    done = [c for c in CHUNK_CASES if c.key in covered]
+    todo = [c for c in args.cases if c.key not in covered]
+    done = [c for c in args.cases if c.key in covered]
     steps = []
     if todo:
         steps.append(Step(name, CHUNK_KERNEL, run=functools.partial(_warm_chunks, view, fn, args, todo)))
     if done:
         which = f"all {len(done)} key classes" if not todo else \
-            f"{len(done)} of {len(CHUNK_CASES)} key classes: {_describe(done)}"
+            f"{len(done)} of {len(args.cases)} key classes: {_describe(done)}"
         steps.append(Step(f"{name}[upstream]", CHUNK_KERNEL,
                           skip=f"covered by upstream {' + '.join(sources)} ({which})"))
     return steps
 
 
 def _describe(cases) -> str:
-    """Cases as query slices and seq_lens alignments, e.g. ``[0:16) [1:15) x aligned+misaligned``."""
+    """Cases as query slices and seq_lens alignments, e.g. ``query slices [0:16) [1:15) x seq_lens
+    aligned+misaligned``; ShardQ's (0.34+) after ``; positions aligned:`` / ``misaligned:``."""
+    parts = []
+    for positions in (None, True, False):
+        group = [c for c in cases if c.positions is positions]
+        if group:
+            prefix = "" if positions is None else f"positions {'aligned' if positions else 'misaligned'}: "
+            parts.append(prefix + _describe_slices(group))
+    return "; ".join(parts)
+
+
+def _describe_slices(cases) -> str:
     by_slice: dict = {}
     for case in cases:
         by_slice.setdefault(f"[{case.qs_start}:{case.qs_stop})", set()).add(case.aligned)

@@ -15,8 +15,11 @@ SPARSE_MLA_BACKEND = "FLASHMLA_SPARSE"
 CHUNK_KERNEL = "_build_prefill_chunk_metadata_kernel"
 CONVERT_KERNEL = "_convert_req_index_to_global_index_kernel"
 CHUNK_KERNEL_033 = "BuildPrefillChunkMetadataKernel.kernel"  # the same kernel, a JIT-kernel class's on 0.33+
+# The convert kernel as a JIT-kernel class's (0.33-0.34 here; the qualname Triton reports for it)
+CONVERT_KERNEL_033 = "ConvertReqIndexToGlobalIndexKernel.sparse_mla_index_remap_kernel"
 FUSED_Q_KERNEL = "_fused_q_kernel"  # the DSA attention's query kernel (0.33+)
-TRITON_KERNELS = (CHUNK_KERNEL, CHUNK_KERNEL_033, CONVERT_KERNEL, FUSED_Q_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
+TRITON_KERNELS = (CHUNK_KERNEL, CHUNK_KERNEL_033, CONVERT_KERNEL, CONVERT_KERNEL_033,
+                  FUSED_Q_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
 
 _INDEXER = "vllm.v1.attention.backends.mla.indexer"
 _SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
