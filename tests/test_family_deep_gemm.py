@@ -252,7 +252,7 @@ def test_the_family_reads_a_moe_layers_experts_where_vllms_own_filter_does(monke
     assert dg.fused_experts(torch.nn.Linear(2, 2)) is None
 
 
-@pytest.mark.parametrize("release", ["0.28.0", "0.33.0"])
+@pytest.mark.parametrize("release", ["0.28.0", "0.33.0", "0.34.0"])
 def test_the_linear_layers_come_from_each_releases_own_warmup_module(release):
     # 0.33 replaced the warmup's filter on the layer (_fp8_linear_may_use_deep_gemm) with the
     # DeepGEMM kernel's own stamp (_deep_gemm_linear_data): the family reads whichever the release has
@@ -277,7 +277,7 @@ print(json.dumps({"gaps": dg.warmup_gaps(w_mod), "stamped": hasattr(w_mod, "_dee
     proc = run_py(code, env=dict(cpu_triton_env(), VLLM_DEEP_GEMM_WARMUP="full"), release=release)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["gaps"] == [] and out["stamped"] is (release == "0.33.0")
+    assert out["gaps"] == [] and out["stamped"] is (release != "0.28.0")
     assert out["plain_linear"] is None  # a bf16 nn.Linear runs on no DeepGEMM kernel
     # before the load, the layer vLLM put on DeepGEMM is found by its kernel, with vLLM's own counts
     assert out["by_shape"] == [[[2112, 7168], [17, 56], list(range(1, 9))]]
@@ -344,6 +344,51 @@ def test_the_gemm_kernels_in_deepgemms_cache_are_counted_apart_from_its_transfor
     assert dg.cached_kernels(str(tmp_path)) == 3
     assert dg.cached_kernels(str(tmp_path), "gemm") == 2
     assert dg.cached_kernels(str(tmp_path / "missing"), "gemm") == 0
+
+
+def test_deepjit_caches_are_counted_committed_entries_only(tmp_path):
+    # the DeepJIT-based DeepGEMM vLLM 0.34 vendors: cache/<name>.<digest>/ with a .committed
+    # marker; a build in progress is tmp/<uuid>/, a published entry without the marker is not one
+    for name, committed in (("sm90_fp8_gemm_1d2d.0a1b", True), ("sm90_m_grouped_fp8_gemm_contiguous_1d2d.2c", True),
+                            ("smxx_transpose_fp32.3d", True), ("sm90_fp8_mqa_logits.4e", True),
+                            ("sm90_fp8_gemm_1d2d.5f", False)):
+        (tmp_path / "cache" / name).mkdir(parents=True)
+        (tmp_path / "cache" / name / "kernel.cubin").write_bytes(b"")
+        if committed:
+            (tmp_path / "cache" / name / ".committed").write_bytes(b"")
+    (tmp_path / "tmp" / "8b1d5c0e-uuid").mkdir(parents=True)
+    assert dg.cached_kernels(str(tmp_path)) == 4
+    assert dg.cached_kernels(str(tmp_path), "gemm") == 2
+
+
+def test_the_cache_is_the_first_writable_folder_deepjit_reads(monkeypatch, tmp_path):
+    # DG_JIT_CACHE_DIR (vLLM sets it where unset), a ':'-list for DeepJIT; DJ_JIT_CACHE_DIR below it
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", f"{tmp_path}/rw:{tmp_path}/ro")
+    monkeypatch.setenv("DJ_JIT_CACHE_DIR", f"{tmp_path}/dj")
+    assert dg._cache_dir() == f"{tmp_path}/rw"
+    monkeypatch.delenv("DG_JIT_CACHE_DIR")
+    assert dg._cache_dir() == f"{tmp_path}/dj"  # venv's vLLM 0.24: no DeepGEMM, so _lazy_init sets none
+
+
+def test_on_034_the_cache_is_where_vllm_points_its_vendored_deepgemm(tmp_path):
+    """vLLM 0.34's own _lazy_init (DeepGEMM standing in: its vendored package's compiled extension
+    cannot load here) points DG_JIT_CACHE_DIR at VLLM_CACHE_ROOT/deep_gemm before importing
+    vllm.third_party.deep_gemm; kwarm reads that folder and counts its DeepJIT entries."""
+    from conftest import clean_env, result_of, run_py
+
+    got = result_of(run_py(r"""
+import json, os, types
+from vllm.utils import deep_gemm as vllm_dg
+from kwarm_ext.kernels import deep_gemm as dg
+imported = []
+vllm_dg.has_deep_gemm = lambda: True  # STAND-IN: the extension is absent, has_deep_gemm() says False
+vllm_dg._import_deep_gemm = lambda: imported.append(os.environ.get("DG_JIT_CACHE_DIR")) or types.SimpleNamespace()
+cache = dg._cache_dir()
+os.makedirs(os.path.join(cache, "cache", "sm90_fp8_gemm_1d2d.0a1b"))
+open(os.path.join(cache, "cache", "sm90_fp8_gemm_1d2d.0a1b", ".committed"), "w").close()
+print("RESULT " + json.dumps({"cache": cache, "seen_by_import": imported, "gemm": dg.cached_kernels(cache, "gemm")}))
+""", env=clean_env(VLLM_CACHE_ROOT=str(tmp_path), CUDA_VISIBLE_DEVICES=""), release="0.34.0"))
+    assert got == {"cache": f"{tmp_path}/deep_gemm", "seen_by_import": [f"{tmp_path}/deep_gemm"], "gemm": 1}
 
 
 def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_env, kwarm_log, tmp_path):

@@ -3,8 +3,8 @@
 The family warms DeepGEMM's indexer kernels through vLLM's wrappers in
 ``vllm.utils.deep_gemm`` (``fp8_fp4_mqa_logits``, ``get_paged_mqa_logits_metadata``,
 ``fp8_fp4_paged_mqa_logits``). DeepGEMM is a CUDA library that JIT-compiles for SM90+; it
-cannot run here. So each release (0.20.0, 0.22.0, 0.24.0, 0.26.0, 0.28.0, 0.33.0) runs once in
-a fresh interpreter that:
+cannot run here. So each release (0.20.0, 0.22.0, 0.24.0, 0.26.0, 0.28.0, 0.33.0, 0.34.0) runs
+once in a fresh interpreter that:
 
 1. resolves the wrappers as the family does and binds production's call shape to their real
    signatures (symbol level: every release, 0.33.0 included);
@@ -23,15 +23,23 @@ interpreter), ``sparse_attn_indexer`` / ``SparseAttnIndexer``, ``DeepseekV32Inde
 
 Stand-ins, and why:
 - DeepGEMM itself: ``vllm.utils.deep_gemm._<wrapper>_impl`` become recording fakes returning
-  tensors of the real output shapes (the CUDA library cannot load without a GPU);
+  tensors of the real output shapes, dtypes and 1024-byte row strides (the CUDA library cannot
+  load without a GPU; 0.28+ vendor it as ``vllm.third_party.deep_gemm``, whose ``_C`` loads a
+  compiled ``_C_extension*.so``, absent from the .py-only release folders: vLLM logs that its
+  trial import failed, and the fakes stand behind the real wrappers as on every release);
 - the platform: ``is_cuda`` and ``get_device_capability`` (9.0 = H200; 8.0 and 10.0 for the
   skip paths), and ``num_compute_units`` = 132 (the H200's SMs) for the builder;
 - ``has_deep_gemm`` (0.26+ trial-imports DeepGEMM's CUDA extension, absent here);
 - the CUDA ops around the DeepGEMM calls in ``sparse_attn_indexer`` (K-cache insert/gather,
-  top-k): no-ops; the workspace manager: plain allocations of the requested shapes; the
-  forward context: a namespace holding the built metadata;
+  top-k): no-ops (0.33+: vLLM's own ``SparseIndexerTopk`` with its kernels not run, so that
+  0.34's ``takes_bf16_logits`` decides as in production); the workspace manager: plain
+  allocations of the requested shapes; the forward context: a namespace holding the built
+  metadata. 0.34's ``as_fp32_logits`` (bf16 logits upcast for the fp32 top-k) runs for real
+  (Triton interpreter), its launches recorded with Triton's specialization;
 - the vLLM config: a namespace with the fields these objects read (a real ``VllmConfig``
-  needs a model directory and a device);
+  needs a model directory and a device), its attention config's resolvers vLLM's own
+  (``AttentionConfig.resolve_indexer_*``), and 0.34's DeepSeek-V3.2 config hook
+  (``_set_deepseek_indexer_logits_dtype``) run on it as ``verify_and_update_config`` does;
 - the indexer module that owns the cache: an ``nn.Module`` carrying ``n_head`` /
   ``head_dim`` and the real cache and op (the real ``Indexer`` builds quantized linear
   layers that need the parallel state); the bound cache is a real-shaped uint8 tensor
@@ -44,6 +52,8 @@ template parameters DeepGEMM's SM90 kernels are specialized on (read in the whee
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import MATRIX, REPO, PerRelease, cpu_triton_env, marked_json, run_scenario
@@ -52,7 +62,7 @@ from conftest import release_version as v
 
 CONFIG = str(REPO / "bench" / "models" / "tiny-deepseek-v32" / "config.json")  # index 64 x 128, top-k 256
 MARK = "KWARM-DG-RESULT "
-RELEASES = (*MATRIX, "0.33.0")
+RELEASES = (*MATRIX, "0.33.0", "0.34.0")
 SEQS = 100  # max_num_seqs: four 32-row metadata classes (32, 64, 96, 128)
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
@@ -81,7 +91,8 @@ def _val(arg):
 
 def jit_key(call: dict) -> tuple:
     """What DeepGEMM specializes the JIT on (SM90 templates, vendored 2.5.0-2.8.1), plus the
-    dtypes, ranks and keywords production passes.
+    dtypes, ranks and keywords production passes; for 0.34's ``_upcast_logits_kernel`` (Triton),
+    its specialization.
 
     - ``sm90_fp8_mqa_logits<kNumHeads, kHeadDim, [kIsCompressedLogits,] BLOCK_Q=128/H, BLOCK_KV,
       stages, kNumSMs, threads, logits dtype>``: heads and head_dim of Q, whether compressed
@@ -90,20 +101,24 @@ def jit_key(call: dict) -> tuple:
       kIsVarlen, stages, SPLIT_KV, threads, [kNumKVMulticast = next_n == 4,] logits dtype>``;
     - ``smxx_paged_mqa_logits_metadata<kAlignedBatchSize = align(rows, 32), SPLIT_KV,
       kNumSMs (the slots the wrapper passes), kIsVarlen>``.
-    The batch sizes, sequence lengths and pointers are runtime arguments."""
+    The batch sizes, sequence lengths and pointers are runtime arguments. The logits dtype is
+    0.34's ``logits_dtype`` keyword (fp32 where absent)."""
+    if call["impl"] == "upcast":
+        return ("upcast", json.dumps(call["spec"]))
     args, kwargs = call["args"], call["kwargs"]
+    logits = _val(kwargs.get("logits_dtype", {"value": "torch.float32"}))
     if call["impl"] == "mqa_logits":
         (q, q_sf), (k, k_sf), weights, ks, ke = args[:5]
         max_seqlen_k = args[5]["value"] if len(args) > 5 else kwargs.get("max_seqlen_k", {"value": 0})["value"]
         return ("mqa_logits", q["dtype"], tuple(q["shape"][1:]), _val(q_sf), k["dtype"], k["shape"][1],
                 k_sf["dtype"], len(k_sf["shape"]), weights["dtype"], weights["shape"][1], ks["dtype"],
-                ke["dtype"], _val(kwargs.get("clean_logits", {"value": None})), max_seqlen_k > 0)
+                ke["dtype"], _val(kwargs.get("clean_logits", {"value": None})), max_seqlen_k > 0, logits)
     if call["impl"] == "paged":
         (q, q_sf), kv, weights, lens, table, schedule, max_len = args[:7]
         return ("paged", q["dtype"], tuple(q["shape"][1:]), _val(q_sf), kv["dtype"], tuple(kv["shape"][1:]),
                 weights["dtype"], weights["shape"][1], lens["dtype"], tuple(lens["shape"][1:]),
                 table["dtype"], len(table["shape"]), schedule["dtype"], max_len["value"],
-                _val(kwargs.get("clean_logits", {"value": None})), _val(kwargs.get("indices", {"value": None})))
+                _val(kwargs.get("clean_logits", {"value": None})), _val(kwargs.get("indices", {"value": None})), logits)
     lens, block, slots = args[:3]
     return ("metadata", lens["dtype"], len(lens["shape"]), -(-lens["shape"][0] // 32) * 32, block["value"],
             slots["value"], _val(kwargs.get("indices", {"value": None})))
@@ -136,7 +151,8 @@ def signature(arg):
 @pytest.mark.parametrize("release", RELEASES)
 def test_wrappers_resolve_and_bind(release):
     """Each release's production binding is vLLM's own wrapper, and the family's call shape
-    binds to its real signature (0.33 replaces clean_logits with max_seqlen_k; 0.28 adds indices)."""
+    binds to its real signature (0.33 replaces clean_logits with max_seqlen_k; 0.28 adds indices;
+    0.34 logits_dtype)."""
     result = scenario(release)
     assert result["version"] == release
     assert result["problems"] == {}
@@ -148,7 +164,8 @@ def test_wrappers_resolve_and_bind(release):
     assert result["flags"] == {
         "mqa_clean_logits": v(release) < (0, 33), "mqa_max_seqlen_k": v(release) >= (0, 33),
         "paged_clean_logits": v(release) < (0, 33), "paged_indices": v(release) >= (0, 28),
-        "metadata_indices": v(release) >= (0, 28)}
+        "metadata_indices": v(release) >= (0, 28), "mqa_logits_dtype": v(release) >= (0, 34),
+        "paged_logits_dtype": v(release) >= (0, 34)}
     params = result["entries"]["fp8_fp4_mqa_logits"]["params"]
     assert params[:5] == ["q", "kv", "weights", "cu_seqlen_ks", "cu_seqlen_ke"]
     assert params[5] == ("max_seqlen_k" if v(release) >= (0, 33) else "clean_logits")
@@ -260,14 +277,44 @@ def test_no_step_fails(release):
 # -- what is warmed -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("release", RELEASES)
-@pytest.mark.parametrize("config", ["eager", "mtp2", "mtp4"])
+@pytest.mark.parametrize("config", ["eager", "mtp2", "mtp4", "bf16"])
 def test_warmup_covers_every_production_key(release, config):
     """Production (the real builder and indexer op) on prefill, plain-decode and MTP batches
-    compiles no DeepGEMM key the warmup did not."""
+    compiles no DeepGEMM key the warmup did not (bf16: ``indexer_logits_dtype="bfloat16"``,
+    0.34+; before, the same engine as eager)."""
     result = scenario(release)
     production = production_calls(result, config)
-    assert {c["impl"] for c in production} == {"mqa_logits", "paged", "metadata"}
+    upcast = {"upcast"} if config == "bf16" and v(release) >= (0, 34) else set()
+    assert {c["impl"] for c in production} == {"mqa_logits", "paged", "metadata"} | upcast
     assert keys(production) <= keys(warm_calls(result, config))
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_logits_dtype_is_productions(release):
+    """0.34's wrappers take ``logits_dtype`` (a template parameter of DeepGEMM's logits kernels):
+    the family passes the one production's ``SparseAttnIndexer`` resolved from the attention
+    config (float32 by default off SM100, bfloat16 where set), and for bf16 also runs the
+    Triton upcast production runs before its fp32 top-k, at production's key. Before 0.34
+    neither side passes one (fp32 logits) and the bf16 setting does not exist."""
+    result = scenario(release)
+
+    def dtypes(calls):
+        return {(c["impl"], _val(c["kwargs"].get("logits_dtype", {"value": None})))
+                for c in calls if c["impl"] in ("mqa_logits", "paged")}
+
+    for config, dtype in (("eager", "torch.float32"), ("bf16", "torch.bfloat16")):
+        dtype = dtype if v(release) >= (0, 34) else None
+        assert dtypes(production_calls(result, config)) == {("mqa_logits", dtype), ("paged", dtype)}
+        assert dtypes(warm_calls(result, config)) == {("mqa_logits", dtype), ("paged", dtype)}
+    assert not keys(production_calls(result, "eager"), "upcast")
+    if v(release) >= (0, 34):
+        got = steps(result, "bf16")
+        assert "logits=bfloat16 +_upcast_logits_kernel" in got["mqa_logits"]["labels"][0]
+        assert keys(production_calls(result, "bf16"), "upcast") == keys(warm_calls(result, "bf16"), "upcast")
+        assert keys(production_calls(result, "bf16")) - keys(production_calls(result, "eager"))
+    else:
+        assert keys(warm_calls(result, "bf16")) == keys(warm_calls(result, "eager"))
+        assert keys(production_calls(result, "bf16")) <= keys(production_calls(result, "eager"))
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -390,3 +437,29 @@ print("RESULT " + json.dumps({"same": resolve(call["fn"]) is entries.paged_metad
     assert got["same"]
     assert got["call"]["args"] == [{"tensor": [64, 2], "dtype": "int32", "fill": 1}, 64, 132]
     assert got["call"]["kwargs"] == ({"indices": None} if v(release) >= (0, 28) else {})
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_logits_dtype_comes_from_the_op_else_from_vllms_resolver(release):
+    """The dtype is the indexer op's own (``SparseAttnIndexer.logits_dtype``, 0.34); where no op
+    is found, vLLM's ``AttentionConfig.resolve_indexer_logits_dtype("float32")``, as the op's
+    constructor calls it; None where the release has neither (0.33: fp32 logits, no keyword)."""
+    from conftest import result_of, run_py
+    got = result_of(run_py(r"""
+import json, types
+import torch
+from vllm.config.attention import AttentionConfig
+from kwarm_ext.kernels.dsa_indexer.logits_dtype import production_logits_dtype
+def view(**kw):
+    return types.SimpleNamespace(worker=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+        attention_config=AttentionConfig(**kw))), runner=None)
+op = types.SimpleNamespace(logits_dtype=torch.bfloat16)
+print("RESULT " + json.dumps({"auto": production_logits_dtype(None, view()),
+                              "set": production_logits_dtype(None, view(indexer_logits_dtype="bfloat16"))
+                                     if "indexer_logits_dtype" in AttentionConfig.__dataclass_fields__ else None,
+                              "op": production_logits_dtype(op, view())}))
+""", release=release, env=cpu_triton_env()))
+    if v(release) >= (0, 34):
+        assert got == {"auto": "float32", "set": "bfloat16", "op": "bfloat16"}
+    else:
+        assert got == {"auto": None, "set": None, "op": "bfloat16"}

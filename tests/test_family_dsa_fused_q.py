@@ -1,13 +1,15 @@
-"""dsa_indexer's ``fused_q`` steps against vLLM 0.33.0's real ``fused_q`` and ``_fused_q_kernel``,
-on CPU under ``TRITON_INTERPRET=1``, with every launch recorded with the key Triton would
-compile for it on a GPU (tests/scenarios/dsa_indexer.py's ``spec_of``).
+"""dsa_indexer's ``fused_q`` steps against the real ``fused_q`` and ``_fused_q_kernel`` of vLLM
+0.33.0 and 0.34.0, on CPU under ``TRITON_INTERPRET=1``, with every launch recorded with the key
+Triton would compile for it on a GPU (tests/scenarios/dsa_indexer.py's ``spec_of``).
 
 Stand-ins: the DSA attention layers (a ``DeepseekV32Attention`` needs a whole engine), namespaces
 holding what the family reads, with vLLM's real RoPE modules (``get_rope``) at DeepSeek-V3.2's
 published dimensions (128 heads at TP 1, no-RoPE 128, RoPE 64, KV LoRA rank 512, indexer 64 x 128).
 
 The oracle: the key vLLM 0.33.0 compiled in a request on the H200 (BENCHMARKS.md, DeepSeek-V3.2
-at published dimensions, request 4 x 333 tokens), copied from that run's JIT monitor.
+at published dimensions, request 4 x 333 tokens), copied from that run's JIT monitor. It holds for
+0.34.0 too: its ``vllm/models/deepseek_v32/common/kernels.py`` is 0.33.0's, and its
+``DeepseekV32Attention.forward`` calls ``fused_q`` with the same arguments.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import json
 import pytest
 
 from conftest import REPO, cpu_triton_env, run_py
+
+RELEASES = ("0.33.0", "0.34.0")  # the releases with fused_q (0.34's _fused_q_kernel and its call are 0.33's)
 
 # vLLM 0.33.0 on the H200, the compile of _fused_q_kernel in request 6 (4 x 333 tokens): each
 # argument's (type, specialization), constexprs as values. USE_PDL is the GPU's (True; the
@@ -84,10 +88,10 @@ print("RESULT " + json.dumps({{"names": [s.name for s in fused], "labels": label
 """
 
 
-@pytest.fixture(scope="module")
-def result():
+@pytest.fixture(scope="module", params=RELEASES)
+def result(request):
     proc = run_py(SCRIPT.format(scenarios=str(REPO / "tests" / "scenarios")), env=cpu_triton_env(),
-                  release="0.33.0", timeout=600)
+                  release=request.param, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

@@ -517,20 +517,28 @@ def _finish(sent: dict, cache: str, after: str = "the load") -> str:
 
 
 def _cache_dir() -> str:
-    """Where vLLM points DeepGEMM (``DG_JIT_CACHE_DIR``, set by vLLM's first DeepGEMM use)."""
+    """Where vLLM points DeepGEMM (``DG_JIT_CACHE_DIR``, set by vLLM's first DeepGEMM use). The
+    DeepJIT-based DeepGEMM vLLM 0.34 vendors (``vllm.third_party.deep_gemm``) reads it as a
+    ``:``-separated list whose first folder it writes, then ``DJ_JIT_CACHE_DIR``, then ``~/.dj``."""
     from vllm.utils import deep_gemm
 
     init = getattr(deep_gemm, "_lazy_init", None)
     if init is not None:
         init()
-    return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+    if os.environ.get("DG_JIT_CACHE_DIR"):
+        return os.environ["DG_JIT_CACHE_DIR"].split(":")[0]
+    if os.environ.get("DJ_JIT_CACHE_DIR"):
+        return os.environ["DJ_JIT_CACHE_DIR"].split(":")[0]
+    return os.path.join(os.path.expanduser("~"), ".deep_gemm")
 
 
 def cached_kernels(cache: str, part: str = "") -> int:
-    """The kernel directories (``kernel.<name>.<hash>``) under DeepGEMM's cache, those whose
-    name holds `part` (``"gemm"``: the GEMMs, not the layout transforms that vLLM's weight
-    loading may have built)."""
+    """The kernels in DeepGEMM's cache, those whose name holds `part` (``"gemm"``: the GEMMs, not
+    the layout transforms that vLLM's weight loading may have built). DeepGEMM 2.x before DeepJIT
+    keeps each in ``cache/kernel.<name>.<hash>/``; the DeepJIT-based build vLLM 0.34 vendors in
+    ``cache/<name>.<digest>/`` with a ``.committed`` marker (builds go through ``tmp/<uuid>/``)."""
     count = 0
-    for _, dirs, _ in os.walk(cache):
-        count += sum(d.startswith("kernel.") and part in d for d in dirs)
+    for root, dirs, _ in os.walk(cache):
+        count += sum(part in d and (d.startswith("kernel.") or os.path.exists(os.path.join(root, d, ".committed")))
+                     for d in dirs)
     return count

@@ -18,8 +18,9 @@ CHUNK_KERNEL_033 = "BuildPrefillChunkMetadataKernel.kernel"  # the same kernel, 
 # The convert kernel as a JIT-kernel class's (0.33-0.34 here; the qualname Triton reports for it)
 CONVERT_KERNEL_033 = "ConvertReqIndexToGlobalIndexKernel.sparse_mla_index_remap_kernel"
 FUSED_Q_KERNEL = "_fused_q_kernel"  # the DSA attention's query kernel (0.33+)
+UPCAST_KERNEL = "_upcast_logits_kernel"  # 0.34's as_fp32_logits, on bf16 MQA logits (logits_dtype.py)
 TRITON_KERNELS = (CHUNK_KERNEL, CHUNK_KERNEL_033, CONVERT_KERNEL, CONVERT_KERNEL_033,
-                  FUSED_Q_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
+                  FUSED_Q_KERNEL, UPCAST_KERNEL)  # what this family compiles at start (besides DeepGEMM's)
 
 _INDEXER = "vllm.v1.attention.backends.mla.indexer"
 _SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"

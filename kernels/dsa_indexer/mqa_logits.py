@@ -16,6 +16,7 @@ from kwarm_ext.kernels.attention_groups import vllm_config as _vllm_config
 from kwarm_ext.kernels.model_runner import runner_models
 from kwarm_ext.vllm_compat import Missing, resolve_or_none
 from kwarm_ext.kernels.dsa_indexer.metadata_processes import warm_metadata
+from kwarm_ext.kernels.dsa_indexer.logits_dtype import production_logits_dtype, torch_dtype, upcast_as_production
 from kwarm_ext.kernels.dsa_indexer.common import (
     INDEXER_BACKEND, METADATA_ROW_ALIGN, MIN_CAPABILITY, MQA_LOGITS, PAGED_METADATA,
     PAGED_MQA_LOGITS, PREFILL_ROWS, _DEEP_GEMM, _ENTRY_OWNERS, _INDEXER, _LEGACY_NAMES,
@@ -38,6 +39,8 @@ class DeepGemmEntries:
     paged_clean_logits: bool = False  # fp8_fp4_paged_mqa_logits(..., clean_logits=False) (<= 0.28)
     paged_indices: bool = False  # fp8_fp4_paged_mqa_logits(..., indices=None) (0.28+)
     metadata_indices: bool = False  # get_paged_mqa_logits_metadata(..., indices=None) (0.28+)
+    mqa_logits_dtype: bool = False  # fp8_fp4_mqa_logits(..., logits_dtype=...) (0.34+)
+    paged_logits_dtype: bool = False  # fp8_fp4_paged_mqa_logits(..., logits_dtype=...) (0.34+)
 
     @property
     def mqa_logits(self):
@@ -70,7 +73,8 @@ def deep_gemm_entries() -> DeepGemmEntries:
         mqa_max_seqlen_k="clean_logits" not in mqa and "max_seqlen_k" in mqa,
         paged_clean_logits="clean_logits" in takes.get(PAGED_MQA_LOGITS, {}),
         paged_indices="indices" in takes.get(PAGED_MQA_LOGITS, {}),
-        metadata_indices="indices" in takes.get(PAGED_METADATA, {}))
+        metadata_indices="indices" in takes.get(PAGED_METADATA, {}), mqa_logits_dtype="logits_dtype" in mqa,
+        paged_logits_dtype="logits_dtype" in takes.get(PAGED_MQA_LOGITS, {}))
     bindings = {
         MQA_LOGITS: lambda fn: vllm_compat.bind(fn, *_mqa_logits_args(entries, *([None] * 5), max_seqlen_k=0),
                                                 **_mqa_logits_kwargs(entries)),
@@ -102,16 +106,21 @@ def _mqa_logits_args(entries, q, kv, weights, ks, ke, *, max_seqlen_k) -> tuple:
     return (q, kv, weights, ks, ke, *((max_seqlen_k,) if entries.mqa_max_seqlen_k else ()))
 
 
-def _mqa_logits_kwargs(entries) -> dict:
-    return {"clean_logits": False} if entries.mqa_clean_logits else {}
+def _mqa_logits_kwargs(entries, logits_dtype=None) -> dict:
+    kwargs = {"clean_logits": False} if entries.mqa_clean_logits else {}
+    if entries.mqa_logits_dtype and logits_dtype is not None:
+        kwargs["logits_dtype"] = logits_dtype  # 0.34+: production's (IndexerShape.logits_dtype)
+    return kwargs
 
 
 def _metadata_kwargs(entries) -> dict:
     return {"indices": None} if entries.metadata_indices else {}  # None: no varlen rows (SM90)
 
 
-def _paged_kwargs(entries, max_model_len: int) -> dict:
+def _paged_kwargs(entries, max_model_len: int, logits_dtype=None) -> dict:
     kwargs = {"max_model_len": max_model_len}
+    if entries.paged_logits_dtype and logits_dtype is not None:
+        kwargs["logits_dtype"] = logits_dtype
     if entries.paged_clean_logits:
         kwargs["clean_logits"] = False
     if entries.paged_indices:
@@ -172,10 +181,14 @@ class IndexerShape:
     cache_width: int  # bytes per token of the bound cache (FP8: head_dim + 4-byte fp32 scale)
     use_fp4: bool  # MXFP4 indexer cache (SparseAttnIndexer.use_fp4_cache)
     max_model_len: int
+    logits_dtype: str | None = None  # DeepGEMM's logits dtype production asks for (0.34+; None: fp32)
 
     def label(self) -> str:
         return (f"heads={self.heads} head_dim={self.head_dim} block_size={self.block_size} "
-                f"cache={'mxfp4' if self.use_fp4 else 'fp8'}")
+                f"cache={'mxfp4' if self.use_fp4 else 'fp8'}{self.logits_label()}")
+
+    def logits_label(self) -> str:
+        return f" logits={self.logits_dtype}" if self.logits_dtype else ""
 
 
 def indexer_shapes(view, groups) -> dict:
@@ -214,7 +227,7 @@ def indexer_shapes(view, groups) -> dict:
             if max_len is None:
                 raise Missing("max_model_len not readable (SparseAttnIndexer, model_config)")
             shape = IndexerShape(int(heads), int(head_dim), int(kv.shape[1]), width, bool(use_fp4),
-                                 int(max_len))
+                                 int(max_len), production_logits_dtype(op, view))
             out.setdefault(shape, kv)
     if not out:
         raise Missing(f"no layer in the {INDEXER_BACKEND} groups")
@@ -365,8 +378,9 @@ def run_mqa_logits(entries: DeepGemmEntries, gather_shapes, device, shape: Index
     inputs = {"q": q, "k": k, "k_scale": k_scale, "weights": weights, "cu_seqlen_ks": ks, "cu_seqlen_ke": ke}
     output = entries.mqa_logits(*_mqa_logits_args(entries, (q, None), (k, k_scale), weights, ks, ke,
                                                   max_seqlen_k=PREFILL_ROWS),
-                                **_mqa_logits_kwargs(entries))
+                                **_mqa_logits_kwargs(entries, torch_dtype(shape.logits_dtype)))
     extra = "clean_logits=False" if entries.mqa_clean_logits else f"max_seqlen_k={PREFILL_ROWS}"
+    extra += shape.logits_label() + upcast_as_production(output, ke - ks)
     return DeepGemmCall(f"heads={shape.heads} head_dim={shape.head_dim} q={_dtype_name(fp8)} "
                         f"k_scale=float32 {extra}", output, inputs)
 
@@ -396,10 +410,10 @@ def run_paged_mqa_logits(entries: DeepGemmEntries, quant_view, device, args: Dec
     table = torch.zeros(1, -(-shape.max_model_len // shape.block_size), dtype=torch.int32, device=device)
     schedule = entries.paged_metadata(seq_lens, args.block_size, args.num_sms, **_metadata_kwargs(entries))
     output = entries.paged_mqa_logits((q, None), kv, weights, seq_lens, table, schedule,
-                                      **_paged_kwargs(entries, shape.max_model_len))
+                                      **_paged_kwargs(entries, shape.max_model_len, torch_dtype(shape.logits_dtype)))
     inputs = {"q": q, "kv_cache": kv, "weights": weights, "context_lens": seq_lens, "block_table": table,
               "schedule_metadata": schedule}
-    return DeepGemmCall(f"next_n={next_n} {shape.label()}", output, inputs)
+    return DeepGemmCall(f"next_n={next_n} {shape.label()}{upcast_as_production(output, seq_lens)}", output, inputs)
 
 
 def described_metadata_call(entries, args: DecodeArgs, variant: MetadataVariant) -> dict | None:

@@ -30,7 +30,9 @@ from vllm.v1.attention.backends.mla import indexer as vi
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.worker.utils import AttentionGroup
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+from vllm.model_executor.models import config as models_config
 from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.config.attention import AttentionConfig
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 
@@ -69,7 +71,19 @@ def symbols(out):
 
 
 # -- the engine: a real builder, cache layer, op and attention group ------------------------------
-def make_config(spec_tokens=0):
+def attention_config(logits_dtype="auto"):
+    """STAND-IN for AttentionConfig (its fields the op and builder read), with vLLM's own
+    resolvers where the release has them (0.34's resolve_indexer_logits_dtype: "auto" -> the
+    default the op passes; DeepSeek-V3.2's config hook resolves "auto" before, to float32 off SM100)."""
+    config = NS(use_fp4_indexer_cache=False, sparse_mla_prefill_workspace_factor=5, hisparse_config=None,
+                indexer_kv_dtype="auto", indexer_logits_dtype=logits_dtype)
+    for name in ("resolve_indexer_kv_dtype", "resolve_indexer_logits_dtype"):
+        real = getattr(AttentionConfig, name, None)
+        setattr(config, name, functools.partial(real, config) if real else lambda default: default)
+    return config
+
+
+def make_config(spec_tokens=0, logits_dtype="auto"):
     speculative = NS(num_speculative_tokens=spec_tokens, enable_adaptive_verification=False) if spec_tokens else None
     return NS(  # STAND-IN for VllmConfig: the fields the builder, cache layer and op read
         scheduler_config=NS(max_num_batched_tokens=TOKENS, max_num_seqs=SEQS),
@@ -79,8 +93,7 @@ def make_config(spec_tokens=0):
                            data_parallel_size=1, enable_expert_parallel=False,
                            pcp_shard_decode_requests=False),
         speculative_config=speculative, num_speculative_tokens=spec_tokens,
-        attention_config=NS(use_fp4_indexer_cache=False, resolve_indexer_kv_dtype=lambda default: default,
-                            sparse_mla_prefill_workspace_factor=5, hisparse_config=None),
+        attention_config=attention_config(logits_dtype),
         cache_config=NS(block_size=BLOCK),
         compilation_config=NS(static_forward_context={}, custom_ops=["all"], enabled_custom_ops=set(),
                               disabled_custom_ops=set(), cudagraph_mode=None,
@@ -136,10 +149,16 @@ class IndexerModule(torch.nn.Module):
         self.k_cache, self.indexer_op = cache, op
 
 
-def make_engine(*, spec_tokens=0, fp4=False, capability=(9, 0), eager=True, mode="FULL_AND_PIECEWISE"):
-    config = make_config(spec_tokens)
+def make_engine(*, spec_tokens=0, fp4=False, capability=(9, 0), eager=True, mode="FULL_AND_PIECEWISE",
+                logits_dtype="auto"):
+    config = make_config(spec_tokens, logits_dtype)
     width = D // 2 + D // 32 if fp4 else D + D // 128 * 4
     with set_current_vllm_config(config), platform(capability):
+        # 0.34: DeepSeek-V3.2's config hook resolves "auto" (bfloat16 where the logits kernels
+        # take MX inputs, SM100; float32 elsewhere), as verify_and_update_config does
+        set_logits_dtype = getattr(models_config, "_set_deepseek_indexer_logits_dtype", None)
+        if set_logits_dtype is not None:
+            set_logits_dtype(config)
         cache = DeepseekV32IndexerCache(head_dim=width, dtype=torch.uint8, prefix=PREFIX,
                                         cache_config=config.cache_config)
         cache.kv_cache = torch.zeros(NUM_BLOCKS, BLOCK, width, dtype=torch.uint8)  # the bound cache
@@ -191,15 +210,51 @@ def recorder(name, make):
     return impl
 
 
+def logits(rows, cols, dtype=torch.float32):
+    """Logits as DeepGEMM's host code allocates them: of the dtype asked for (0.34's logits_dtype;
+    fp32 before), each row 1024-byte aligned."""
+    per_kb = 1024 // dtype.itemsize
+    return torch.zeros(rows, -(-cols // per_kb) * per_kb, dtype=dtype)[:, :cols]
+
+
 IMPLS = {
     "_fp8_fp4_mqa_logits_impl": recorder(
-        "mqa_logits", lambda q, kv, w, ks, ke, *a, **k: torch.zeros(q[0].shape[0], kv[0].shape[0])),
+        "mqa_logits", lambda q, kv, w, ks, ke, *a, logits_dtype=torch.float32, **k:
+        logits(q[0].shape[0], kv[0].shape[0], logits_dtype)),
     "_get_paged_mqa_logits_metadata_impl": recorder(
         "metadata", lambda lens, block, slots, **k: torch.zeros(slots + 1, 2, dtype=torch.int32)),
     "_fp8_fp4_paged_mqa_logits_impl": recorder(
-        "paged", lambda q, kv, w, lens, table, meta, max_len, *a, **k:
-        torch.zeros(q[0].shape[0] * q[0].shape[1], max_len)),
+        "paged", lambda q, kv, w, lens, table, meta, max_len, *a, logits_dtype=torch.float32, **k:
+        logits(q[0].shape[0] * q[0].shape[1], max_len, logits_dtype)),
 }
+
+
+def record_upcasts():
+    """Record every launch of 0.34's ``_upcast_logits_kernel`` (``as_fp32_logits``: bf16 logits
+    for the fp32 top-k; a Triton kernel, interpreted here) in CALLS, as the key Triton compiles."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        if self.fn.__name__ == "_upcast_logits_kernel":
+            CALLS.append({"impl": "upcast", "spec": triton_spec(self, args, kwargs)})
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+
+
+def triton_spec(fnobj, args, kwargs) -> list:
+    """Triton's specialization of one launch: [name, type, specialization] per argument,
+    constexprs by value."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    params = inspect.signature(fnobj.fn).parameters
+    bound = {**dict(zip(params, args)), **{k: v for k, v in kwargs.items() if k in params}}
+    return [[name, "constexpr", repr(bound[name])] if "constexpr" in str(p.annotation) else
+            [name, *map(str, native_specialize_impl(BaseBackend, bound[name], False, True, True))]
+            for name, p in params.items()]
 
 
 @contextlib.contextmanager
@@ -257,9 +312,21 @@ def install_stand_ins():
     sai.ops = NS(indexer_k_quant_and_cache=noop, cp_gather_indexer_k_quant_cache=noop,  # STAND-IN: CUDA ops
                  top_k_per_row_prefill=noop, top_k_per_row_decode=noop)
     if hasattr(sai, "get_indexer_topk"):
-        sai.get_indexer_topk = lambda backend: noop  # STAND-IN: 0.33's top-k dispatch (CUDA ops)
+        sai.get_indexer_topk = stand_in_topk  # STAND-IN: 0.33+'s top-k dispatch (CUDA ops)
     for name in ("top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk", "cooperative_topk"):
         setattr(torch.ops._C, name, noop)  # STAND-IN: 0.20 calls torch.ops._C directly
+
+
+def stand_in_topk(backend):
+    """STAND-IN for 0.33+'s decode top-k selector: vLLM's own ``SparseIndexerTopk`` (0.34's
+    ``takes_bf16_logits`` decides whether decode's bf16 logits are upcast first), its kernels
+    (CUDA ops) not run."""
+    from vllm.model_executor.layers import indexer_topk
+
+    real = getattr(indexer_topk, "SparseIndexerTopk", None)
+    if real is None:
+        return noop
+    return type("StandInTopk", (real,), {"forward": noop})(backend)
 
 
 def common_metadata(query_lens, seq_lens):
@@ -331,7 +398,7 @@ ENGINES = {"eager": {}, "full": {"eager": False}, "piecewise": {"eager": False, 
            "mtp2": {"spec_tokens": 1}, "mtp2_full": {"spec_tokens": 1, "eager": False},
            "mtp4": {"spec_tokens": 3}, "mtp4_full": {"spec_tokens": 3, "eager": False},
            "sm80": {"capability": (8, 0)}, "sm100": {"capability": (10, 0)},
-           "fp4": {"fp4": True}}
+           "fp4": {"fp4": True}, "bf16": {"logits_dtype": "bfloat16"}}  # bf16: 0.34's indexer_logits_dtype
 
 
 def stand_in_plans(out):
@@ -343,7 +410,7 @@ def stand_in_plans(out):
             engine = make_engine(**kw)
             plans[name] = planned(engine)
             cache_ptrs[name] = engine.cache.kv_cache.data_ptr()
-            if name in ("eager", "mtp2", "mtp4", "sm100"):
+            if name in ("eager", "mtp2", "mtp4", "sm100", "bf16"):
                 prod[name] = engine
         engine = make_engine()
         saved = [m.has_deep_gemm for m in (import_utils, dg)]
@@ -382,6 +449,7 @@ BATCHES = {
     "mtp4": {"d4": ([4, 4], [9, 20]), "d3": ([3, 3], [9, 20]), "d2": ([2, 2], [9, 20]),
              "wide": ([4] * 30, [9] * 30), "mixed": ([4, 4, 6], [9, 20, 12])},
     "sm100": {"mixed": ([1, 1, 5], [9, 20, 12])},
+    "bf16": {"mixed": ([1, 1, 5], [9, 20, 12]), "decode100": ([1] * 100, [9] * 100)},
 }
 
 
@@ -404,6 +472,7 @@ def main(argv: list[str]) -> None:
     out = {"version": vllm.__version__}
     symbols(out)
     install_stand_ins()
+    record_upcasts()
     with platform():  # 2. on this CPU, without stand-ins
         engine = make_engine()
     out["cpu"] = planned(engine, stand_in=False)
