@@ -624,21 +624,26 @@ def deepgemm_sweep(model, max_tokens: int) -> dict:
 
 
 def deepgemm_names(entries) -> dict:
-    """{kernel name: count} of DeepGEMM cache entries (``.../kernel.<name>.<hash>``), e.g.
-    ``sm90_fp8_gemm_1d2d`` (fp8_gemm_nt) or ``sm90_m_grouped_fp8_gemm_contiguous_1d2d``."""
+    """{kernel name: count} of DeepGEMM cache entries (``.../kernel.<name>.<hash>``, or DeepJIT's
+    ``.../<name>.<digest>`` in vLLM 0.34's vendored DeepGEMM), e.g. ``sm90_fp8_gemm_1d2d`` (fp8_gemm_nt)
+    or ``sm90_m_grouped_fp8_gemm_contiguous_1d2d``."""
     names: dict = {}
     for entry in entries:
-        name = os.path.basename(entry).split(".")[1]
+        parts = os.path.basename(entry).split(".")
+        name = parts[1] if parts[0] == "kernel" and len(parts) > 2 else parts[0]
         names[name] = names.get(name, 0) + 1
     return dict(sorted(names.items()))
 
 
 def deepgemm_entries(root: str) -> set[str]:
-    """DeepGEMM's compiled kernels: directories named kernel.<name>.<hash> anywhere below root."""
+    """DeepGEMM's compiled kernels below root: directories named kernel.<name>.<hash>, and DeepJIT's
+    <name>.<digest> directories, committed by a ``.committed`` file (vLLM 0.34's vendored DeepGEMM)."""
     found = set()
     if not os.path.isdir(root):
         return found
-    for dirpath, dirnames, _ in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root):
+        if ".committed" in filenames and "." in os.path.basename(dirpath):
+            found.add(os.path.relpath(dirpath, root))
         for d in dirnames:
             if d.startswith("kernel."):
                 found.add(os.path.relpath(os.path.join(dirpath, d), root))

@@ -634,6 +634,14 @@ def test_deepgemm_entries(tmp_path):
     (tmp_path / "cache" / "kernel.fp8_mqa_logits.0a1b" / "kernel.cubin").write_bytes(b"")
     (tmp_path / "tmp").mkdir()
     assert engine_bench.deepgemm_entries(str(tmp_path)) == {"cache/kernel.fp8_mqa_logits.0a1b"}
+    # vLLM 0.34's vendored DeepGEMM (DeepJIT): <name>.<digest>/ committed by a .committed file
+    committed = tmp_path / "cache" / "sm90_fp8_mqa_logits.9f8e"
+    committed.mkdir()
+    (committed / ".committed").write_bytes(b"")
+    (tmp_path / "cache" / "sm90_fp8_gemm_1d2d.77aa").mkdir()  # being written: not committed yet
+    entries = engine_bench.deepgemm_entries(str(tmp_path))
+    assert entries == {"cache/kernel.fp8_mqa_logits.0a1b", "cache/sm90_fp8_mqa_logits.9f8e"}
+    assert engine_bench.deepgemm_names(entries) == {"fp8_mqa_logits": 1, "sm90_fp8_mqa_logits": 1}
 
 
 # ------------------------------------------------------------------------- profiling
