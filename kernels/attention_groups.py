@@ -68,15 +68,26 @@ def metadata_builder(group):
     return get() if get is not None else None
 
 
+def metadata_build(group, builder):
+    """``common -> metadata``, as the runner builds a batch's attention metadata: the group's own
+    ``build_metadata`` (0.33+, both runners; it maps the block table to kernel blocks where the
+    group splits the KV manager's blocks), else ``builder.build``."""
+    own = getattr(group, "build_metadata", None)
+    if callable(own):
+        return lambda common: own(common)
+    return lambda common: builder.build(common_prefix_len=0, common_attn_metadata=common)
+
+
 def block_table(view, group_id: int, num_reqs: int):
     """Rows of the runner's real block table of KV-cache group `group_id` (what
     ``CommonAttentionMetadata.block_table_tensor`` is a slice of)."""
     runner = view.runner
     tables = getattr(getattr(runner, "input_batch", None), "block_table", None)
-    if tables is not None:  # V1: MultiGroupBlockTable
+    if tables is not None:  # V1: MultiGroupBlockTable (0.20-0.33)
         return tables[group_id].get_device_tensor(num_reqs)
     v2 = getattr(getattr(runner, "block_tables", None), "input_block_tables", None)
-    if v2 is not None:  # V2 (v1/worker/gpu/block_table.py)
+    if v2 is not None:  # V2 (v1/worker/gpu/block_table.py; the only runner from 0.34): the rows
+        # gather_block_tables fills and the attention metadata slices
         return v2[group_id][:num_reqs]
     raise Missing("runner has neither input_batch.block_table (V1) nor block_tables (V2)")
 

@@ -36,11 +36,14 @@ How:
     (block 0), never handed to a request (``BlockPool``), as during CUDA-graph capture.
 
 Upstream: FlashInfer attention only (0.20-0.28, skipped here then); V2 runner (0.29+):
-``warmup_kernels``, so this family does not run there.
+``warmup_kernels``, so this family does not run there. vLLM 0.34 removed the V1 runner
+(``vllm/v1/worker/gpu_model_runner.py``): there the family never applies (its reason says so;
+tests/test_family_eager_attention.py), the eager path being warmed by ``warmup_kernels``, run by
+vLLM with its JIT warmup or an extensible KV cache and by kwarm's ``v2_warmup`` otherwise.
 
 Remove when:
-    vLLM's V1 runner warms the eager attention path for every backend, or the V2 runner is
-    the only one left.
+    the oldest supported vLLM is 0.34 (no V1 runner), or vLLM's V1 runner warms the eager
+    attention path for every backend.
 """
 from __future__ import annotations
 
@@ -52,13 +55,16 @@ NAME = "eager_attention"
 KERNEL = "attention layers (eager prefill path)"
 # Token count when no CUDA graphs bound it: vLLM's own FlashInfer warmup uses 16.
 _DEFAULT_TOKENS = 16
+V2_REASON = ("V1 runner only: Model Runner V2 (the only runner from vLLM 0.34) runs real prefill and decode "
+             "steps with attention metadata in its warmup_kernels (vLLM's, or kwarm's v2_warmup where "
+             "vLLM's is off)")
 
 
 def applies(view) -> str | None:
     if view.runner is None:
         return "no model runner"
     if view.runner_kind == "V2":
-        return "V2 model runner: its warmup_kernels runs real prefill and decode steps"
+        return V2_REASON
     if view.is_pooling_model:
         return "pooling model"
     if not callable(getattr(view.runner, "_dummy_run", None)):

@@ -35,8 +35,9 @@ How:
     MLA (``MLAAttention``'s absorbed ``W_UK_T`` / ``W_UV``), one target per shape: the query's
     ``torch.bmm(q_nope (N, B, P), W_UK_T)`` into a head-major buffer and, without padded heads,
     a token-major one (0.33), and the layer's own ``_v_up_proj``, at B up to
-    ``max_num_batched_tokens`` for sparse MLA (DSA) and ``max_num_seqs x reorder_batch_threshold``
-    for dense MLA. Layers on ROCm's AITER BMMs are left to vLLM, which warms those.
+    ``max_num_batched_tokens`` for sparse MLA (DSA) and ``max_num_seqs`` x the decode query
+    length for dense MLA (the V1 runner's ``reorder_batch_threshold``, V2's ``decode_query_len``).
+    Layers on ROCm's AITER BMMs are left to vLLM, which warms those.
 
     Three passes, most useful first; the first two always run, the last while ``KWARM_BUDGET``
     lasts (kwarm_ext/budget.py): the summary says what is left to the requests.
@@ -72,7 +73,10 @@ time when captured: published-size DeepSeek-V3.2 exact + grid about 1 s, the ful
 problems) 6.1 s on one thread. ``KWARM_WARMUPS=-eager_gemm`` turns it off. Its first step
 raises the capacity of cuBLASLt's heuristics cache (8192 entries; ``kernels/cublaslt.py``).
 
-Upstream: no vLLM release warms GEMM shapes outside CUDA-graph capture (0.20-0.33).
+Upstream: no vLLM release warms cuBLAS GEMM shapes outside CUDA-graph capture (0.20-0.34; 0.34's
+``kernel_warmup`` warms CuTe DSL GEMMs and ROCm's AITER ones). Of the router gate, vLLM warms the
+GEMMs its ``forward`` picks for few tokens on SM90+ (:func:`gate_counts_warmed_upstream`): kwarm's
+gate counts start above those.
 
 Remove when:
     vLLM warms its eager GEMM shapes, or cuBLAS stops choosing and loading per shape.
@@ -182,9 +186,12 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
                 own = gate is not None and isinstance(layer, gate)
                 # the gate gets the hidden states in the model's dtype, whatever its weight's (fp32 on some models)
                 dtype = (model_dtype(view) or weight.dtype) if own else weight.dtype
+                start = max(lo, 1, gate_counts_warmed_upstream(layer, dtype, view) + 1 if own else 1)
+                if start > hi:
+                    continue
                 targets.append(Target(kind, f"{name} {tuple(weight.shape)}{' +bias' if bias is not None else ''}"
                                       + (" router gate (its forward)" if own else ""),
-                                      max(lo, 1), hi, 1, _gate(layer, dtype) if own else _linear(layer, bias),
+                                      start, hi, 1, _gate(layer, dtype) if own else _linear(layer, bias),
                                       (hi * weight.shape[1], dtype, weight.device), captured=not own,
                                       out_bytes=hi * weight.shape[0] * weight.element_size()))
     try:
@@ -193,7 +200,7 @@ def gemm_targets(model, view, device_type: str | None) -> tuple[list, list]:
         return targets, skips + [Step("mla_bmm", KERNEL, skip=str(exc))]
     if not layers:
         return targets, skips + [Step("mla_bmm", KERNEL, skip="no MLA layers with absorbed cuBLAS weights")]
-    decode_rows = (view.max_num_reqs or 0) * _int(getattr(view.runner, "reorder_batch_threshold", None), 1)
+    decode_rows = (view.max_num_reqs or 0) * decode_query_len(view.runner)
     for name, layer in layers:
         hi = last if _sparse(layer) else min(last, decode_rows)
         if hi >= 1:
@@ -404,8 +411,38 @@ def _device_type(view) -> str | None:
     return view.device.split(":")[0] if view.device else None
 
 
-def _int(value, default: int) -> int:
-    return value if isinstance(value, int) and value > 0 else default
+def gate_counts_warmed_upstream(gate, dtype, view) -> int:
+    """Up to which token count vLLM warms the router gate's own GEMM (0: none), which its
+    ``forward`` picks for few tokens on SM90+ (the gate's ``allow_*`` flags, set at build):
+    ``kernel_warmup``'s ll_bf16 router GEMM at 1..``LL_BF16_MAX_TOKENS`` for bf16 weights and
+    hidden states (0.28-0.34, every engine), and the JIT warmup registry's ll_fp32w GEMM at
+    1..``FP32_MAX_TOKENS`` for fp32 weights (0.33-0.34, with ``enable_jit_warmup``)."""
+    import torch
+
+    from kwarm_ext import upstream
+    from kwarm_ext.kernels.attention_groups import vllm_config
+
+    if getattr(gate, "allow_ll_bf16_gemm", False) is True and dtype == torch.bfloat16 and \
+            gate.weight.shape[1] % 8 == 0 and upstream.kernel_warmup_calls("_warmup_ll_bf16_router_gemm"):
+        warmed = getattr(resolve_or_none("vllm.model_executor.warmup.kernel_warmup:_LL_BF16_WARMUP_M_RANGE"),
+                         "stop", 1) - 1  # range(1, 17) in 0.28-0.34
+        return min(int(getattr(gate, "LL_BF16_MAX_TOKENS", 0)), warmed)
+    jit = getattr(getattr(vllm_config(view), "kernel_config", None), "enable_jit_warmup", False)
+    if getattr(gate, "allow_ll_fp32w_gemm", False) is True and not getattr(gate, "allow_fp32_router_gemm", False) \
+            and callable(getattr(gate, "_register_ll_fp32w_warmup", None)) and jit is True:
+        return int(getattr(gate, "FP32_MAX_TOKENS", 0))
+    return 0
+
+
+def decode_query_len(runner) -> int:
+    """The most query tokens of one request that dense MLA runs as a decode: the V1 runner's
+    ``reorder_batch_threshold`` (0.20-0.33), Model Runner V2's ``decode_query_len`` (1 + the
+    speculative tokens; V2 has no ``reorder_batch_threshold``, and is the only runner from 0.34)."""
+    for attr in ("reorder_batch_threshold", "decode_query_len"):
+        value = getattr(runner, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
 
 
 def mla_layers(model, mla_cls, device_type: str | None = None) -> list:

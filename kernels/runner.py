@@ -27,16 +27,17 @@ How:
       count and the table's ``slot_mapping`` buffer are restored. Query-start and position
       tensors take the dtypes of the runner's own buffers. Groups whose table does not map
       slots (``SlotMappingMode.NONE``, 0.28+ mamba groups) launch nothing and are not
-      labelled. The V2 runner (``vllm/v1/worker/gpu/block_table.py``) is not warmed: its
-      ``_compute_slot_mappings_kernel`` has no per-step integer specialization (all its
-      integers are fixed per engine) and V2's own ``warmup_kernels`` runs real steps
-      through it.
+      labelled. The V2 runner (``vllm/v1/worker/gpu/block_table.py``; the only runner from
+      0.34) is not warmed: its ``_compute_slot_mappings_kernel`` has no per-step integer
+      specialization (all its integers are fixed per engine; tests/test_family_runner.py
+      checks it on 0.34) and V2's own ``warmup_kernels`` runs real steps through it, run by
+      vLLM or, where vLLM's call is off (``enforce_eager``), by kwarm's ``v2_warmup``.
     - zeroing: ``runner._kv_block_zeroer`` (V1) or ``runner.kv_block_zeroer`` (V2);
       ``zero_block_ids([0] * n)`` for n in {1, 2, 16} where ``n_blocks`` is specialized,
       else ``zero_block_ids([0])`` (or ``.warmup(num_blocks)`` when forced and upstream
       has it).
 
-    Safety (checked in the vLLM source, 0.20-0.33): only KV block 0 is ever written, and
+    Safety (checked in the vLLM source, 0.20-0.34): only KV block 0 is ever written, and
     only with zeros. ``BlockPool.__init__`` pops block 0 off the free queue as
     ``null_block`` (``is_null=True``, ``v1/core/block_pool.py``), so it is never handed to
     a request; it is the padding target that attention and mamba kernels read for padded
@@ -45,8 +46,8 @@ How:
     exists yet, and for the models that have a zeroer every block is zeroed again when the
     scheduler allocates it (``new_block_ids_to_zero``) before first use. Upstream does the
     same: 0.25-0.26 ``qwen_triton_warmup`` zeroes blocks 0-1, 0.27+
-    ``KVBlockZeroer.warmup`` zeroes block 0, 0.33 V2 ``warmup_kernels`` writes blocks 1..
-    with real steps. Slot mapping writes nothing into KV memory: it fills the table's own
+    ``KVBlockZeroer.warmup`` zeroes block 0, 0.33-0.34 V2 ``warmup_kernels`` writes blocks
+    1.. with real steps. Slot mapping writes nothing into KV memory: it fills the table's own
     ``slot_mapping`` scratch buffer, which is restored.
 
 Upstream (decided by feature, not version; a covered part is a skipped step unless forced):
@@ -57,9 +58,13 @@ Upstream (decided by feature, not version; a covered part is a skipped step unle
       ``_compute_slot_mapping_kernel`` on the first request), so they count for nothing.
     - 0.27-0.28 ``warm_v1_block_table_kernels(runner)``: the runner's real tables, T=8,
       ``num_tokens`` not specialized: covers slot mapping (V1, non-pooling).
-    - 0.27+ ``KVBlockZeroer.warmup`` called by ``kernel_warmup`` (V1) and V2
-      ``warmup_kernels``, ``n_blocks`` not specialized: covers zeroing.
-    - 0.29+ ``ComputeSlotMappingKernel.register_warmup`` for every real table, run by
+    - 0.27+ ``KVBlockZeroer.warmup``, ``n_blocks`` not specialized: covers zeroing where it
+      runs: ``kernel_warmup`` calls it on the V1 runner (0.27-0.33; 0.34 has no V1 runner and
+      no such call), V2's ``warmup_kernels`` on the V2 runner (0.28-0.34), which vLLM's worker
+      calls for every V2 engine up to 0.28, from 0.29 only with ``enable_jit_warmup`` (0.34:
+      or an extensible KV cache), and kwarm's ``v2_warmup`` where vLLM does not and no CUDA
+      graph is captured. Elsewhere (V2, JIT warmup off by hand, graphs on) kwarm zeroes.
+    - 0.29-0.33 ``ComputeSlotMappingKernel.register_warmup`` for every real V1 table, run by
       ``runner.jit_warmup_registry.warmup()`` unless ``kernel_config.enable_jit_warmup`` is
       False (enforce_eager sets it False): covers slot mapping when enabled.
 
@@ -126,9 +131,10 @@ def plan(view, forced: bool) -> list:
 
 def _slot_mapping_steps(view, forced: bool) -> list:
     if view.runner_kind == "V2":
+        who = v2_warmup_kernels_runs(view) or "run by neither vLLM nor kwarm's v2_warmup here: the first step compiles it"
         return [Step("slot_mapping", "_compute_slot_mappings_kernel",
                      skip="V2 runner: its slot-mapping kernel has no per-step integer "
-                          "specialization and V2 warmup_kernels runs real steps through it")]
+                          f"specialization and V2 warmup_kernels runs real steps through it ({who})")]
     tables = block_tables(view.runner)
     if not tables:
         return [Step("slot_mapping", _SLOT_KERNEL, skip="runner has no input_batch.block_table")]
@@ -192,7 +198,12 @@ def _upstream_slot_mapping(view):
 
 def _upstream_zero(view, zeroer):
     if callable(getattr(zeroer, "warmup", None)):
-        return "KVBlockZeroer.warmup (called by kernel_warmup)", (1,)
+        if view.runner_kind != "V2":
+            return "KVBlockZeroer.warmup (called by kernel_warmup)", (1,)
+        who = v2_warmup_kernels_runs(view)
+        if who is not None:
+            return f"KVBlockZeroer.warmup (called by Model Runner V2's warmup_kernels, {who})", (1,)
+        return None  # V2 with nobody running warmup_kernels: kernel_warmup never calls it on V2
     qwen = upstream.upstream_qwen_module(view)
     if qwen is not None and hasattr(qwen, "_warm_zero_kv_blocks_with_runner_zeroer"):
         counts = tuple(getattr(qwen, "_ZERO_KV_N_BLOCKS", ()))
@@ -305,6 +316,28 @@ def _buffer_dtype(buf, default):
     return getattr(gpu, "dtype", default)
 
 
+
+
+def v2_warmup_kernels_runs(view) -> str | None:
+    """Who runs Model Runner V2's ``warmup_kernels`` on this engine (which calls
+    ``KVBlockZeroer.warmup``, 0.28-0.34), or None: vLLM where its worker calls it (every V2 engine
+    up to 0.28; 0.29-0.33 with ``kernel_config.enable_jit_warmup`` on, 0.34 also with
+    ``cache_config.enable_extensible_kv_cache``), else kwarm's ``v2_warmup`` family after start-up
+    where it is selected and no CUDA graph is captured (on 0.28 vLLM runs it there itself, and
+    ``v2_warmup`` then does not). JIT warmup off by hand with CUDA graphs: None, also on 0.28,
+    where the family's own zeroing is then one launch more than needed, never a second compile."""
+    if resolve_or_none("vllm.v1.worker.gpu.warmup:warmup_kernels") is None:
+        return None
+    if _read(view, "kernel_config.enable_jit_warmup", None) in (None, True) or \
+            _read(view, "cache_config.enable_extensible_kv_cache", False) is True:
+        return "run by vLLM"
+    from kwarm_ext import config
+    from kwarm_ext.kernels import v2_warmup
+
+    if config.get().warmups.wants("v2_warmup") and v2_warmup.applies(view) is None and \
+            v2_warmup.captured_nothing(view):
+        return "run by kwarm's v2_warmup after start-up where vLLM's call is off"
+    return None
 
 
 def _read(view, path: str, default):

@@ -19,7 +19,8 @@ How:
 
     1. Probe: dummy batches of ``n`` requests with query length ``q`` (``q`` = 1, 2 and, where
        the release defines ``MAX_3D_QUERY_LEN``, one above it) go through
-       ``builder.build(...)`` and ``layer.impl.forward(...)``, vLLM's own code, with both
+       ``builder.build(...)`` (through the group's ``build_metadata`` where it has one, 0.33+,
+       as the runner calls it) and ``layer.impl.forward(...)``, vLLM's own code, with both
        kernels' launches recorded instead of run (their Triton key: constexpr values, integer
        classes, dtypes). For each ``q``, a bisection over ``n`` in 1..``max_num_seqs``
        (and ``n * q <= max_num_batched_tokens``) finds where the key changes other than by
@@ -34,13 +35,15 @@ How:
     3. Launch: the batches for real, so the binaries are loaded before the first request.
 
     Safety: the batches' slot mapping is all -1 (padding: no KV write; the Triton backend's
-    ``forward`` writes no KV cache in 0.20-0.33 anyway, ``forward_includes_kv_cache_update``
+    ``forward`` writes no KV cache in 0.20-0.34 anyway, ``forward_includes_kv_cache_update``
     is False), their block-table rows are the runner's, empty before serving (block 0, the
     null block, only read), and the outputs are kwarm's own tensors.
 
 Upstream: the V2 model runner's ``warmup_kernels`` (0.29+) runs a few real prefill and decode
-steps, not every class; CUDA-graph capture compiles the captured decode sizes. Both only
-find compiled what this family compiled first.
+steps, not every class; CUDA-graph capture compiles the captured decode sizes. Both run after
+this family and only find compiled what it compiled first. 0.34's JIT warmup registry and its
+``kernel_warmup`` (FlashInfer's mixed-batch warmup) do not reach these kernels. The block-table
+rows are the V1 runner's or Model Runner V2's (``input_block_tables``; the only runner from 0.34).
 
 Remove when:
     vLLM warms its Triton attention kernels per batch class, or stops specializing on them.
@@ -56,8 +59,8 @@ from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.families import Plan, Step
 from kwarm_ext.kernels.launches import observed_launches
 from kwarm_ext.kernels.attention_groups import (backend_reason, block_table, bound_kv_cache, common_metadata,
-                                                group_id_of, group_layer, groups_of, metadata_builder,
-                                                model_dtype)
+                                                group_id_of, group_layer, groups_of, metadata_build,
+                                                metadata_builder, model_dtype)
 from kwarm_ext.kernels.model_runner import synchronize
 from kwarm_ext.kernels.specializations import classes_for
 from kwarm_ext.surfaces.triton.compat import int_class, param_mode
@@ -84,6 +87,7 @@ class Target:
     layer: object
     kv_cache: object
     builder: object
+    build: object  # CommonAttentionMetadata -> the backend's metadata, as the runner builds it
     table: object  # n -> the runner's block-table rows of this group
     device: object
     dtype: object
@@ -143,21 +147,22 @@ def target_of(view, group, label: str) -> Target:
     dtype = getattr(layer, "dtype", None) or model_dtype(view)
     if dtype is None:
         raise Missing(f"{label}: the model's dtype is unknown")
-    return Target(label, layer, kv_cache, builder, functools.partial(block_table, view, group_id),
+    return Target(label, layer, kv_cache, builder, metadata_build(group, builder),
+                  functools.partial(block_table, view, group_id),
                   kv_cache.device, dtype, max_reqs, max_tokens)
 
 
 # ---------------------------------------------------------------------------- one batch
 
 def run_batch(target: Target, batch: Batch) -> None:
-    """One dummy batch through ``builder.build`` and ``impl.forward``."""
+    """One dummy batch through the group's metadata build and ``impl.forward``."""
     import torch
 
     layer, n, q = target.layer, batch.n, batch.q
     query_lens = [q] * n
     seq_lens = [q + 1 if q == 1 else q] * n  # a decode reads one earlier token
     common = common_metadata(target.table(n), query_lens, seq_lens, target.device)
-    metadata = target.builder.build(common_prefix_len=0, common_attn_metadata=common)
+    metadata = target.build(common)
     tokens, dtype = n * q, target.dtype
     heads, kv_heads, head = layer.num_heads, layer.num_kv_heads, layer.head_size
     head_v = getattr(layer, "head_size_v", head)
@@ -179,7 +184,7 @@ def decision(key: tuple) -> tuple:
 
 def query_lengths() -> list:
     """1 (decode), 2 (the shortest prefill) and, where the release bounds the 3D form's query
-    length (``MAX_3D_QUERY_LEN``, 0.33), one more than that bound."""
+    length (``MAX_3D_QUERY_LEN``, 0.33-0.34), one more than that bound."""
     bound = getattr(sys.modules.get(OPS_MODULE), "MAX_3D_QUERY_LEN", None)
     return sorted({1, 2} | ({bound + 1} if isinstance(bound, int) and bound >= 2 else set()))
 

@@ -4,8 +4,9 @@
 Why:
     ``TritonMLAImpl.forward_mqa`` (``vllm/v1/attention/backends/mla/triton_mla.py``) splits each
     decode's KV sequence into ``num_kv_splits`` parts: the next power of two of the batch's
-    ``max_seq_len // 512``, at most twice the GPU's SM count (0.20-0.33; ``_compute_num_kv_splits``
-    from 0.26). ``decode_attention_fwd`` passes it to its Triton kernels as the constexpr
+    ``max_seq_len // 512``, at most twice the GPU's SM count (0.20-0.34; ``_compute_num_kv_splits``
+    from 0.26; 0.34 clamps the context to a windowed layer's ``decode_sliding_window`` first and
+    passes the window as the constexpr ``SLIDING_WINDOW``). ``decode_attention_fwd`` passes it to its Triton kernels as the constexpr
     ``NUM_KV_SPLITS``, so every power of two is a compile of its own. CUDA-graph capture
     compiles the one its dummy batches reach; every decode step outside a FULL graph (mixed
     prefill-decode batches, eager mode, batches above the largest capture size) compiles again
@@ -29,9 +30,15 @@ How:
     ``q_pe``, in the model's dtype, ``num_heads`` times the DCP world size), its metadata is
     vLLM's ``MLACommonMetadata`` with an ``MLACommonDecodeMetadata`` holding the runner's
     block-table row (empty before serving: block 0, the null block, only read) and ``L``.
-    ``forward_mqa`` writes no KV cache; the outputs are its own tensors.
+    ``forward_mqa`` writes no KV cache; the outputs are its own tensors. A decode verifying
+    speculative tokens (several query rows per request, 0.28+) reaches the same keys
+    (tests/test_family_triton_mla.py), so one query row per probe is enough on the V1 runner and
+    on Model Runner V2 alike (0.34: V2 only; the block-table rows are then V2's
+    ``input_block_tables``, what its attention metadata holds).
 
-Upstream: none (0.20-0.33); CUDA-graph capture compiles the split count of its dummy batches.
+Upstream: none (0.20-0.34: neither ``kernel_warmup``, V2's ``warmup_kernels`` beyond its few real
+steps, nor 0.34's JIT warmup registry names these kernels); CUDA-graph capture compiles the split
+count of its dummy batches, after this family, so finds it compiled.
 
 Remove when:
     vLLM warms its Triton MLA decode kernels per split count, or stops specializing on it.
@@ -55,7 +62,7 @@ KERNEL = "_fwd_grouped_kernel_stage1"
 OPS_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 KERNELS = (KERNEL, "_fwd_kernel_stage1", "_fwd_kernel_stage2")
 TRITON_KERNELS = KERNELS  # what this family compiles at start
-WORK_PER_SPLIT = 512  # forward_mqa's min_work_per_split (0.20-0.33): where the probes start
+WORK_PER_SPLIT = 512  # forward_mqa's min_work_per_split (0.20-0.34): where the probes start
 _METADATA = ("vllm.model_executor.layers.attention.mla_attention", "vllm.v1.attention.backends.mla.common")
 
 

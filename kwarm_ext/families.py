@@ -96,9 +96,10 @@ FAMILIES = {
                "none: it replays what this deployment still compiled after every other warmup"),
         Family("runner", "kwarm_ext.kernels.runner",
                "per-step runner kernels of hybrid and MLA models: slot mapping, KV-block zeroing",
-               "0.27+ KVBlockZeroer.warmup covers zeroing; 0.27-0.28 warm_v1_block_table_kernels and the "
-               "0.29+ JIT warmup registry cover slot mapping on V1; kwarm adds the integer classes they "
-               "leave (0.20-0.26: all), nothing on the V2 runner"),
+               "KVBlockZeroer.warmup covers zeroing, from kernel_warmup on V1 (0.27-0.33) and from Model Runner "
+               "V2's warmup_kernels (vLLM's, or kwarm's v2_warmup when vLLM skips it; kwarm zeroes block 0 "
+               "itself where neither runs); 0.27-0.28 warm_v1_block_table_kernels and the 0.29+ JIT warmup "
+               "registry cover slot mapping on V1; kwarm adds the integer classes they leave (0.20-0.26: all)"),
         Family("qwen_gdn", "kwarm_ext.kernels.qwen_gdn",
                "Qwen3-Next / Qwen3.5 gated delta-net layers: conv1d, post-conv, gating, gated RMSNorm",
                "0.25+ qwen_triton_warmup warms one key each of conv fwd, post-conv and sigmoid gating "
@@ -121,7 +122,7 @@ FAMILIES = {
                "TRITON_MLA attention: the MLA decode kernels at every NUM_KV_SPLITS (a power of two from "
                "the batch's longest context) the release's forward_mqa chooses up to max_model_len, "
                "through the layer's own forward_mqa",
-               "none (0.20-0.33); CUDA-graph capture compiles the split count of its dummy batches, and "
+               "none (0.20-0.34); CUDA-graph capture compiles the split count of its dummy batches, and "
                "kwarm adds every other one"),
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "

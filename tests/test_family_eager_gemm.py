@@ -92,6 +92,15 @@ def mla(name, sparse, pad_heads=None, aiter=False):
     return layer
 
 
+def sm90_gate(weight_dtype, **flags):
+    from vllm.model_executor.kernels.linear.cute_dsl import ll_bf16, ll_fp32w
+    # STAND-IN for the CuTe DSL GEMMs (they need the GPU): the same product, fp32 out
+    ll_bf16.ll_bf16_gemm = ll_fp32w.LL_FP32W_GEMM_KERNEL = lambda x, w: x.float() @ w.float().T
+    gate = GateLinear(64, 8, out_dtype=torch.float32, params_dtype=weight_dtype)
+    gate.__dict__.update(flags)
+    return gate
+
+
 class Model(torch.nn.Module):
     def __init__(self, layers):
         super().__init__()
@@ -105,6 +114,9 @@ class Model(torch.nn.Module):
                 # off a GPU) of the shape "router" has, fp32 logits out
                 "gate": lambda: GateLinear(64, 8, out_dtype=torch.float32, params_dtype=torch.float32),
                 "gate_bf16": lambda: GateLinear(64, 8, out_dtype=torch.float32, params_dtype=torch.bfloat16),
+                # STAND-INS for gates built on an SM90+ GPU (vLLM sets these flags at build there)
+                "gate_ll_bf16": lambda: sm90_gate(torch.bfloat16, allow_ll_bf16_gemm=True),
+                "gate_ll_fp32w": lambda: sm90_gate(torch.float32, allow_ll_fp32w_gemm=True),
                 "lm_head": lambda: vpe.ParallelLMHead(1000, 64, **kw),
                 "mla_sparse": lambda: mla("mla_sparse", sparse=True),
                 "mla_sparse_twin": lambda: mla("mla_sparse_twin", sparse=True),
@@ -122,9 +134,12 @@ def run_case(case):
     calls.clear()
     model = Model(case["layers"])
     before = {n: p.clone() for n, p in model.named_parameters()}
+    # V1 runner: reorder_batch_threshold; Model Runner V2 (the only one from 0.34): decode_query_len
+    decode = ({"decode_query_len": case["decode_query_len"]} if "decode_query_len" in case
+              else {"reorder_batch_threshold": case.get("decode_threshold", 1)})
     runner = SimpleNamespace(
         get_model=lambda: model, device=case.get("device"), max_num_reqs=case["max_num_reqs"], max_num_tokens=case["max_tokens"],
-        reorder_batch_threshold=case.get("decode_threshold", 1),
+        **decode,
         compilation_config=SimpleNamespace(cudagraph_mode=getattr(CUDAGraphMode, case["mode"]),
                                            max_cudagraph_capture_size=case["capture"],
                                            static_forward_context={}))
@@ -133,6 +148,7 @@ def run_case(case):
                                      dtype=torch.bfloat16),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=case["max_tokens"]),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        kernel_config=SimpleNamespace(enable_jit_warmup=case.get("jit", False)),
         compilation_config=runner.compilation_config)
     os.environ["KWARM_WARMUPS"] = "eager_gemm"
     for var in ("KWARM_BUDGET", "KWARM_MANIFEST"):
@@ -204,6 +220,7 @@ CASES = {
     "mla": dict(GRAPHS, decode_threshold=2, layers=["mla_sparse", "mla_sparse_twin", "mla_dense", "mla_aiter"],
                 env={"KWARM_BUDGET": "unlimited"}),
     "mla_offloaded": dict(GRAPHS, layers=["mla_sparse"], device="cuda:0"),
+    "mla_v2": dict(GRAPHS, decode_query_len=3, layers=["mla_dense"], env={"KWARM_BUDGET": "0"}),
     # last: it installs a stand-in Triton driver, for the manifest's stamp
     "learned": dict(GRAPHS, layers=["router", "lm_head", "mla_sparse"], learned=[150, 77, 3, 5000],
                     env={"KWARM_BUDGET": "0"}, tests_dir=os.path.dirname(os.path.abspath(__file__))),
@@ -215,7 +232,9 @@ GRID = [33, 36, 39, 43, 47, 51, 55, 61, 66, 72, 78, 86, 93, 102, 111, 121, 132, 
 FILL = list(range(65, 201))  # every count above 64 (every 8th from 520 on: test_fill_counts)
 
 
-pytestmark = pytest.mark.parametrize("release", MATRIX)
+@pytest.fixture(params=MATRIX)
+def release(request):
+    return request.param
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,6 +384,28 @@ def test_mla_absorbed_bmms_at_every_token_count_sparse_and_at_decode_counts_dens
     assert not any(c["grad"] for c in result["calls"]), "under inference mode"
     assert result["changed"] == [], "the absorbed weights are only read"
     assert "mla_dense W_UK_T (4, 16, 32) W_UV (4, 32, 16): 8 counts (M 1..8)" in steps["exact"]["variants"]
+
+
+def test_dense_mla_decode_rows_on_model_runner_v2_use_its_decode_query_len(release):
+    """Model Runner V2 has no reorder_batch_threshold: a decode runs ``decode_query_len`` tokens
+    per request (1 + speculative tokens), so dense MLA's BMMs reach max_num_seqs x 3 = 12 rows."""
+    result = _batch(release)["mla_v2"]
+    assert _ms(result, "mla_dense.W_UV") == list(range(12, 0, -1))
+
+
+def test_router_gates_start_above_the_counts_vllm_warms_0_34():
+    """On SM90+ a gate's forward takes CuTe DSL GEMMs for few tokens, which vLLM 0.34 warms itself:
+    kernel_warmup the ll_bf16 one at 1..16 tokens (bf16 weights), the JIT registry the ll_fp32w
+    one at 1..32 (fp32 weights, with enable_jit_warmup). kwarm's calls start above those (a call
+    at those counts would reach the CuTe kernel, which the CPU does not have)."""
+    case = dict(GRAPHS, mode="NONE", max_tokens=40, layers=["gate_ll_bf16", "gate_ll_fp32w"], jit=True,
+                env={"KWARM_BUDGET": "unlimited"})
+    without_jit = dict(case, layers=["gate_ll_fp32w"], jit=False)
+    result = run_cases(SCENARIO, {"sm90": case, "without_jit": without_jit}, "0.34.0")
+    assert sorted(_ms(result["sm90"], "gate_ll_bf16.forward")) == list(range(17, 41))
+    assert sorted(_ms(result["sm90"], "gate_ll_fp32w.forward")) == list(range(33, 41))
+    # enforce_eager turns the JIT registry off: kwarm's calls then start at 1
+    assert sorted(_ms(result["without_jit"], "gate_ll_fp32w.forward")) == list(range(1, 41))
 
 
 def test_heuristics_cache_capacity_is_raised_never_lowered(release):

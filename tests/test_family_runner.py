@@ -8,6 +8,9 @@ real ``_compute_slot_mapping_kernel`` / ``_zero_kv_blocks_kernel``. Only the mod
 stand-in (``SimpleNamespace``): ``GPUModelRunner`` cannot be built without a GPU; it carries the
 real objects at the attributes vLLM's runner has them (``input_batch.block_table``,
 ``_kv_block_zeroer``). Pinned memory is switched off in vLLM (no driver on CPU).
+
+0.34 has no V1 runner: tests/scenarios/runner_v2.py stands in for Model Runner V2 the same way,
+with V2's real ``BlockTables`` and the real ``KVBlockZeroer`` at ``kv_block_zeroer``.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import functools
 
 import pytest
 
-from conftest import MATRIX, cpu_triton_env, result_of, run_cases, run_py
+from conftest import MATRIX, cpu_triton_env, result_of, run_cases, run_py, run_scenario_cases
 
 
 SCENARIO = r'''
@@ -285,3 +288,56 @@ print("RESULT " + json.dumps([fam.param_mode(slot, "num_tokens"), fam.param_mode
       hasattr(resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel"), "register_warmup")]))
 ''', release="0.33.0", env=cpu_triton_env(), timeout=240)
     assert result_of(proc) == ["dns", "absent", True]
+
+
+# 0.34: Model Runner V2 only. Who runs V2's warmup_kernels (and with it KVBlockZeroer.warmup):
+# vLLM with its JIT warmup or an extensible KV cache, kwarm's v2_warmup in an eager engine, else
+# nobody and the family zeroes block 0 itself.
+V2_CASES = {
+    "jit": dict(jit=True, eager=False),
+    "extensible": dict(jit=False, eager=False, extensible=True),
+    "eager": dict(jit=False, eager=True),
+    "eager_without_v2_warmup": dict(jit=False, eager=True, warmups="*,-v2_warmup"),
+    "graphs_jit_off": dict(jit=False, eager=False),
+    "forced": dict(jit=True, eager=False, forced=True),
+}
+V2_ZEROING = {
+    "jit": "covered by upstream KVBlockZeroer.warmup (called by Model Runner V2's warmup_kernels, run by vLLM)",
+    "extensible": "covered by upstream KVBlockZeroer.warmup (called by Model Runner V2's warmup_kernels, run by vLLM)",
+    "eager": "covered by upstream KVBlockZeroer.warmup (called by Model Runner V2's warmup_kernels, run by "
+             "kwarm's v2_warmup after start-up where vLLM's call is off)",
+    "eager_without_v2_warmup": ["n_blocks=1"],
+    "graphs_jit_off": ["n_blocks=1"],
+    "forced": ["warmup()"],
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _v2() -> dict:
+    return run_scenario_cases("runner_v2", V2_CASES, "0.34.0")
+
+
+@pytest.mark.parametrize("case", sorted(V2_CASES))
+def test_v2_zeroing_0_34_is_warmed_once_by_whoever_runs_warmup_kernels(case):
+    result = _v2()[case]
+    assert result["applies"] is None
+    expected = V2_ZEROING[case]
+    if isinstance(expected, str):
+        assert [(s["name"], s["skip"]) for s in result["steps"] if "zero" in s["name"]] == \
+            [("zero_kv_blocks[upstream]", expected)]
+        assert not result["kv_block0_zero"], "nothing zeroed where warmup_kernels does it"
+    else:
+        (step,) = [s for s in result["steps"] if s["name"] == "zero_kv_blocks"]
+        assert step["labels"] == expected
+        assert result["kv_block0_zero"] and result["kv_others_intact"], "only the null block, only zeros"
+
+
+def test_v2_slot_mapping_0_34_has_one_key_and_says_who_warms_it():
+    result = _v2()
+    assert len(result["slot_mapping_keys"]) == 1, "no per-step integer specialization: one key for every batch"
+    skips = {case: next(s["skip"] for s in result[case]["steps"] if s["name"] == "slot_mapping")
+             for case in V2_CASES}
+    assert skips["jit"].endswith("(run by vLLM)")
+    assert skips["eager"].endswith("(run by kwarm's v2_warmup after start-up where vLLM's call is off)")
+    assert skips["graphs_jit_off"].endswith("(run by neither vLLM nor kwarm's v2_warmup here: the first step "
+                                            "compiles it)")

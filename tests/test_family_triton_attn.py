@@ -6,7 +6,10 @@ with Triton's interpreter on CPU. What is real and what stands in:
 - vLLM's own ``TritonAttentionImpl`` (its ``__init__`` and ``forward``), its
   ``TritonAttentionMetadataBuilder`` (``__init__`` computes ``seq_threshold_3D`` from the
   config, ``build`` the metadata), ``unified_attention`` (which picks the 2D or 3D form),
-  ``FullAttentionSpec``, ``MultiGroupBlockTable`` and the KV-cache layout of the backend.
+  ``FullAttentionSpec``, the runner's block tables (V1's ``MultiGroupBlockTable``; on 0.34, which
+  has no V1 runner, V2's ``BlockTables``: tests/scenarios/block_tables.py), the group
+  (``AttentionGroup``, whose ``build_metadata`` the runners call from 0.33) and the KV-cache
+  layout of the backend.
 - the engine config is a namespace holding what the builder reads (head counts, CUDA-graph
   mode and capture sizes, ``max_num_seqs``): a real ``VllmConfig`` needs a model on disk and
   a platform; the attention layer is an ``nn.Module`` with the attributes ``Attention.__init__``
@@ -24,7 +27,7 @@ import pytest
 
 from conftest import MATRIX, run_scenario_cases
 
-RELEASES = MATRIX + ("0.33.0",)
+RELEASES = MATRIX + ("0.33.0", "0.34.0")
 
 # The published Qwen3-Next's attention per rank at TP 1 (16 query heads, 2 KV heads), CUDA graphs
 # on as the bench runs it; then an eager engine with 8 KV heads, where vLLM's threshold (128 //

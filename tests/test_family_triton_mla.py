@@ -5,11 +5,13 @@ with Triton's interpreter on CPU. What is real and what stands in:
 
 - vLLM's own ``TritonMLAImpl.forward_mqa`` (which picks ``num_kv_splits``), ``decode_attention_fwd``
   and its kernels, ``MLACommonMetadata`` / ``MLACommonDecodeMetadata``, ``TritonMLABackend`` and
-  ``MultiGroupBlockTable``;
+  the runner's block tables (V1's ``MultiGroupBlockTable``; V2's ``BlockTables`` on 0.34, which
+  has no V1 runner);
 - the impl is built without its ``__init__`` (it asks the platform for a CUDA device), with the
   attributes ``__init__`` sets; its SM count is 2, so the release's cap (2 x SMs) falls inside
   ``max_model_len`` 4096 and the split counts stop at 4;
-- "production" is every decode of 1, 2, 5 and 16 requests at longest contexts from 1 to
+- "production" is every decode of 1, 2, 5 and 16 requests (of 1 query token, and from 0.28 also
+  of 3: speculative decoding) at longest contexts from 1 to
   ``max_model_len`` (every 97 tokens and around each power-of-two switch), through the same
   ``forward_mqa``, with the kernels' launches recorded (their Triton key) instead of run. The
   family must reach exactly that set of keys.
@@ -20,9 +22,9 @@ import functools
 
 import pytest
 
-from conftest import MATRIX, release_path, run_scenario_cases
+from conftest import MATRIX, release_path, release_version, run_scenario_cases
 
-RELEASES = tuple(r for r in (*MATRIX, "0.33.0") if r == "0.24.0" or release_path(r) is not None)
+RELEASES = tuple(r for r in (*MATRIX, "0.33.0", "0.34.0") if r == "0.24.0" or release_path(r) is not None)
 SHAPE = {"heads": 16, "kv_lora_rank": 256, "rope": 32, "block": 16, "max_model_len": 4096, "sms": 2}
 
 
@@ -41,6 +43,18 @@ def test_warmed_keys_are_exactly_the_keys_production_reaches(release):
     assert result["missing"] == [], f"decodes whose key no warmed decode has: {result['missing']}"
     assert result["extra"] == [], f"warmed decodes no production decode matches: {result['extra']}"
     assert len(result["chosen"]) == len(result["production"]) == 3
+    # 0.28+: decodes verifying speculative tokens (3 query rows per request) are production too
+    assert result["query_lens"] == ([1, 3] if release_version(release) >= (0, 28) else [1])
+
+
+def test_windowed_decode_0_34_stops_splitting_at_the_window():
+    """0.34's windowed layers (``decode_sliding_window``: DSpark drafts) clamp the context to the
+    window before choosing the split count, and pass the window as a constexpr: the family's
+    probes go through the same ``forward_mqa``, so they stop where production does."""
+    result = run_scenario_cases("triton_mla", dict(SHAPE, window=1024), "0.34.0", timeout=400)
+    assert result["missing"] == [] and result["extra"] == []
+    assert result["splits"] == ["1", "2"], "1024 // 512 = 2 splits at most, whatever the context"
+    assert all("('SLIDING_WINDOW', 1024)" in key for key in result["chosen"])
 
 
 def test_split_counts_come_from_the_release_and_stop_at_its_cap(release):

@@ -28,8 +28,10 @@ except ImportError:  # 0.20-0.2x
 from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
                                                      TritonAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.worker.block_table import MultiGroupBlockTable
+from vllm.v1.worker.utils import AttentionGroup
 import vllm.v1.utils as v1_utils
+
+import block_tables  # tests/scenarios/block_tables.py
 
 NS = types.SimpleNamespace
 BLOCK, D, MAXLEN = 16, 64, 4096
@@ -78,20 +80,20 @@ def engine(case):
                           layer_name=name, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0),
                           _q_scale=torch.tensor(1.0))
     builder = TritonAttentionMetadataBuilder(spec, [name], vllm_config, torch.device("cpu"))
-    tables = MultiGroupBlockTable(**accepted(
-        MultiGroupBlockTable, max_num_reqs=SEQS, max_model_len=MAXLEN, max_num_batched_tokens=TOKENS,
-        pin_memory=False, device=torch.device("cpu"), block_sizes=[BLOCK], kernel_block_sizes=[BLOCK],
-        max_num_blocks=[MAXLEN // BLOCK]))
-    group = NS(backend=TritonAttentionBackend, layer_names=[name], kv_cache_group_id=0, metadata_builders=[builder])
-    runner = NS(attn_groups=[[group]], input_batch=NS(block_table=tables), device=torch.device("cpu"),
-                max_num_reqs=SEQS)
+    _, held, _ = block_tables.build(SEQS, MAXLEN, TOKENS, BLOCK)
+    if hasattr(AttentionGroup, "build_metadata"):  # 0.33+: the runners build metadata through the group
+        group = AttentionGroup(**accepted(AttentionGroup, backend=TritonAttentionBackend, layer_names=[name],
+                                          kv_cache_spec=spec, kv_cache_group_id=0, metadata_builders=[builder]))
+    else:
+        group = NS(backend=TritonAttentionBackend, layer_names=[name], kv_cache_group_id=0, metadata_builders=[builder])
+    runner = NS(attn_groups=[[group]], device=torch.device("cpu"), max_num_reqs=SEQS, **held)
     view = EngineView(runner=runner, worker=NS(vllm_config=vllm_config), forward_context={name: layer},
                       backends=[["TRITON_ATTN"]], max_num_reqs=SEQS, max_num_batched_tokens=TOKENS, device="cpu",
                       tp_size=1)
     return view, group, builder, layer
 
 
-def production(case, target, kernels):
+def production(case, group, target, kernels):
     """Every batch of up to `seqs` requests: decode, uniform prefill (several query lengths),
     mixed (decodes plus one prefill): its launches' keys -> the first batch that reached it."""
     seqs, tokens = case["seqs"], case["tokens"]
@@ -104,7 +106,10 @@ def production(case, target, kernels):
                 if sum(lens) > tokens:
                     continue
                 common = common_metadata(target.table(n), lens, [x + 1 for x in lens], "cpu")
-                metadata = target.builder.build(common_prefix_len=0, common_attn_metadata=common)
+                if hasattr(group, "build_metadata"):  # what the runner calls (0.33+)
+                    metadata = group.build_metadata(common)
+                else:
+                    metadata = target.builder.build(common_prefix_len=0, common_attn_metadata=common)
                 q = torch.zeros(sum(lens), case["heads"], D, dtype=torch.bfloat16)
                 kv = torch.zeros(sum(lens), case["kv_heads"], D, dtype=torch.bfloat16)
                 out = torch.zeros_like(q)
@@ -129,7 +134,7 @@ def run_case(case):
             with fam.observed_launches(kernels, launch=False) as seen:
                 fam.run_batch(target, b)
             warmed[repr(tuple(seen))] = b.label()
-    prod = production(case, target, kernels)
+    prod = production(case, group, target, kernels)
     result = {"threshold": builder.seq_threshold_3D, "batches": [b.label() for b in batches], "probes": probes,
               "choose_s": chosen_s, "warmed": sorted(warmed), "production": sorted(prod),
               "missing": [prod[k] for k in prod if k not in warmed],
