@@ -21,6 +21,11 @@ from test_faults import stand_in_worker
 MIB = 1 << 20
 
 
+def ca_family(part: dict) -> dict:
+    """This family's part of an after-capture run (v2_warmup runs before it there)."""
+    return next(f for f in part["families"] if f["name"] == "caching_allocator")
+
+
 def test_small_pool_reads_segments_and_free_bytes():
     assert ca.small_pool({"segment.small_pool.current": 7, "reserved_bytes.small_pool.current": 14 * MIB,
                           "allocated_bytes.small_pool.current": 3 * MIB}) == (7, 11.0)
@@ -104,17 +109,17 @@ def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
 
     part = warmup.after_capture(worker)  # what patches' compile_or_warm_up_model wrapper calls
     assert gpu_allocator.reserved == [("cuda:0", None, ca.RESERVE_BLOCKS, 1), ("cuda:0", None, 4, 9)]
-    family = part["families"][0]
+    family = ca_family(part)
     assert family["name"] == "caching_allocator" and family["status"] == "ran", family
     text = "model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; small pool 11 -> 43 MiB cached free"
     assert family["steps"][0]["variants"] == [text] and family["details"] == {"summary": text}
     written = json.loads(report_path.read_text())
-    assert written["after_capture"]["families"][0]["steps"][0]["status"] == "ran"
+    assert ca_family(written["after_capture"])["steps"][0]["status"] == "ran"
     assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator " in m and f" s: {text}" in m
                for m in kwarm_log.messages(0)), kwarm_log.messages(0)
     assert kwarm_log.messages() == [], "no warning"
 
-    assert warmup.after_capture(worker)["families"][0]["reason"] == "no engine view", \
+    assert ca_family(warmup.after_capture(worker))["reason"] == "no engine view", \
         "one after-capture run per warmup run"
 
 
@@ -141,7 +146,7 @@ def test_the_largest_eager_step_leaves_its_activations_cached(gpu_allocator, kwa
     calls = []
     worker = stand_in_worker(device="cuda:0", max_num_tokens=1024, _dummy_run=v2_dummy_run(gpu_allocator, calls))
     warmup.run(worker)
-    family = warmup.after_capture(worker)["families"][0]
+    family = ca_family(warmup.after_capture(worker))
     assert [s["name"] for s in family["steps"]] == ["small and large pools", "largest eager step"]
     assert calls == [{"num_tokens": 1024, "skip_eplb": True, "skip_attn": False, "is_profile": False,
                       "inference": True}], "vLLM's own eager step at the most tokens a step schedules, once"
@@ -153,7 +158,7 @@ def test_the_largest_eager_step_leaves_its_activations_cached(gpu_allocator, kwa
 
     gpu_allocator.device_free = 512 * MIB
     warmup.run(worker)
-    step = warmup.after_capture(worker)["families"][0]["steps"][1]
+    step = ca_family(warmup.after_capture(worker))["steps"][1]
     assert step["variants"] == ["no eager step: 512 MiB free on the device"] and len(calls) == 1
     # with torch.distributed peers every rank runs the step whatever its free memory: the
     # forward's collectives must pair up across ranks
@@ -165,7 +170,7 @@ def test_the_largest_eager_step_leaves_its_activations_cached(gpu_allocator, kwa
 
     bare = stand_in_worker(device="cuda:0")
     warmup.run(bare)
-    step = warmup.after_capture(bare)["families"][0]["steps"][1]
+    step = ca_family(warmup.after_capture(bare))["steps"][1]
     assert step["status"] == "skipped" and step["reason"] == "runner has no _dummy_run"
 
 
@@ -174,7 +179,7 @@ def test_low_device_memory_reserves_nothing(gpu_allocator, kwarm_env):
     gpu_allocator.device_free = 512 * MIB
     worker = stand_in_worker(device="cuda:0")
     warmup.run(worker)
-    step = warmup.after_capture(worker)["families"][0]["steps"][0]
+    step = ca_family(warmup.after_capture(worker))["steps"][0]
     assert step["variants"] == ["nothing reserved: 512 MiB free on the device"]
     assert gpu_allocator.reserved == []
 
@@ -183,11 +188,11 @@ def test_not_on_cuda_is_a_skip_and_disabled_is_disabled(gpu_allocator, kwarm_env
     kwarm_env(KWARM_WARMUPS="caching_allocator")
     worker = stand_in_worker(device="cpu")
     warmup.run(worker)
-    assert warmup.after_capture(worker)["families"][0]["reason"] == "runner device cpu is not CUDA"
+    assert ca_family(warmup.after_capture(worker))["reason"] == "runner device cpu is not CUDA"
 
     kwarm_env(KWARM_WARMUPS="-caching_allocator")
     warmup.run(worker)
-    assert warmup.after_capture(worker)["families"][0]["reason"] == "disabled by KWARM_WARMUPS"
+    assert ca_family(warmup.after_capture(worker))["reason"] == "disabled by KWARM_WARMUPS"
     assert gpu_allocator.reserved == []
 
 
@@ -206,7 +211,7 @@ def test_vllms_aux_stream_gets_its_own_reserve_once_created(gpu_allocator, kwarm
     assert torch_utils.aux_stream() is aux, "what kwarm reads is what vLLM's aux_stream() hands out"
     worker = stand_in_worker(device="cuda:0")
     warmup.run(worker)
-    step = warmup.after_capture(worker)["families"][0]["steps"][0]
+    step = ca_family(warmup.after_capture(worker))["steps"][0]
     assert gpu_allocator.reserved == [("cuda:0", None, 32, 1), ("cuda:0", None, 4, 9),
                                       ("cuda:0", aux, 4, 1), ("cuda:0", aux, 2, 9)]
     assert step["variants"] == ["model stream 32 x 1 MiB + 4 x 9 MiB: 16 small, 2 large segments new; "

@@ -142,8 +142,8 @@ def run_case(case):
                                    case.get("block"))
                       for m in case.get("table_at", [])},
             "down_table": {str(m): dict(family.nearest(down, m)) for m in case.get("table_at", [])
-                           for down in [fm.get_moe_configs(case["w2"][0], case["w2"][2], case.get("dtype"), 128, 128,
-                                                           down_moe=True)] if case.get("down") and down}}
+                           for down in ([fm.get_moe_configs(case["w2"][0], case["w2"][2], case.get("dtype"), 128, 128,
+                                                            down_moe=True)] if case.get("down") else []) if down}}
 
 
 print("RESULT " + json.dumps({name: run_case(case) for name, case in CASES.items()}))

@@ -8,6 +8,7 @@ attributes the engine view reads; the hook itself is the real wrapper around the
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 
@@ -172,7 +173,20 @@ def test_unwritable_report_is_one_warning(hooked, test_family, kwarm_log, tmp_pa
     hooked(KWARM_REPORT=str(blocker / "sub" / "r.json"))
     assert gpu_worker.kernel_warmup(stand_in_worker()) == "vllm-result"
     warnings = kwarm_log.messages()
+    # said as the settings load: a folder that cannot be created (a file stands in its way)
+    assert len(warnings) == 1 and "is invalid (its folder" in warnings[0] and "no report is written" in warnings[0]
+
+
+def test_a_report_that_fails_to_write_is_one_warning(hooked, test_family, kwarm_log, tmp_path):
+    """A report path the settings accept but the write refuses (a link planted there): one warning."""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (folder / "r.json").symlink_to(tmp_path / "elsewhere.json")
+    hooked(KWARM_REPORT=str(folder / "r.json"))
+    assert gpu_worker.kernel_warmup(stand_in_worker()) == "vllm-result"
+    warnings = kwarm_log.messages()
     assert len(warnings) == 1 and warnings[0].startswith("kwarm: report failed, skipped")
+    assert not (tmp_path / "elsewhere.json").exists()
 
 
 def test_long_warmups_log_their_start_and_progress(hooked, test_family, kwarm_log, monkeypatch):
