@@ -545,3 +545,27 @@ def test_12_a_write_that_fails_for_want_of_space_leaves_no_temporary_file(tmp_pa
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["failed 27", "failed 27"], proc.stdout + proc.stderr
     assert [n for n in eval(lines[2]) if not n.endswith(".lock")] == [], lines  # the lock file is not a temporary
+
+
+def test_5_an_entry_still_compiling_past_the_bound_is_skipped_unwaited(tmp_path, kwarm_log, fake_driver, monkeypatch):
+    """Case 5, third part: one entry's compile is bounded (``replay.ENTRY_COMPILE_S``). Triton's compile
+    cannot be interrupted: past the bound the entry is skipped with its reason, the compile goes on in
+    a daemon thread unwaited, and the other entries and the engine's start go on. Here the bound is
+    set below what the real compile of these entries takes on this CPU; with the real bound they compile."""
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    path = write(tmp_path / "m.json", [entry(block=b) for b in (128, 64, 32)])
+    monkeypatch.setattr(replay, "ENTRY_COMPILE_S", 0.001)
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    state.threads = 2
+    t0 = time.perf_counter()
+    assert replay.compile_entries(state) == []
+    assert time.perf_counter() - t0 < 5
+    assert [s.kind for s in state.skipped] == ["compile failed"] * 3
+    assert all(s.reason.startswith("still compiling after 0.001 s: skipped, the compile goes on unwaited")
+               for s in state.skipped), [s.reason for s in state.skipped]
+    monkeypatch.setattr(replay, "ENTRY_COMPILE_S", 180.0)
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    state.threads = 1  # one thread: bounded too (the bound needs the pool)
+    assert len(replay.compile_entries(state)) == 3 and state.skipped == []
+    assert isinstance(triton_compile.CompileTimedOut(1.0), Exception)

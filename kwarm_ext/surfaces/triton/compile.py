@@ -85,24 +85,135 @@ def compile_ahead(kernels, run: Callable[[], None], threads: int, failure: str) 
 
 
 @contextlib.contextmanager
-def parallel_compiles(threads: int):
+def parallel_compiles(threads: int, per_job_s: float | None = None):
     """Make the block's ``preload``/``warmup`` calls compile on a thread pool.
 
     Uses ``triton.AsyncCompileMode`` (3.5+; threads only: its compile closures don't pickle).
     On leaving, the mode waits for every compile; errors are kept for :func:`settle`
-    (``ignore_errors``). Falls back to compiling in the caller's thread on Triton 3.4, with
-    one thread, or when another AsyncCompileMode is already active in this context."""
+    (``ignore_errors``). With `per_job_s`, a compile still running that long after it started
+    fails with :class:`CompileTimedOut` (on :class:`BoundedCompiles`, even with one thread), and
+    the block ends without waiting for it. Falls back to compiling in the caller's thread (no
+    bound) on Triton 3.4, with one thread and no bound, or when another AsyncCompileMode is
+    already active in this context."""
     import triton
 
     mode_cls = getattr(triton, "AsyncCompileMode", None)
-    if mode_cls is None or threads <= 1 or _async_mode_active() or not _keeps_errors(mode_cls):
+    if mode_cls is None or (threads <= 1 and per_job_s is None) or _async_mode_active() \
+            or not _keeps_errors(mode_cls):
         yield False
+        return
+    if per_job_s is not None:
+        pool = BoundedCompiles(max(1, threads), per_job_s)
+        try:
+            with mode_cls(pool, ignore_errors=True):
+                yield True
+        finally:
+            pool.shutdown()
         return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(threads, thread_name_prefix="kwarm-replay") as pool:
         with mode_cls(pool, ignore_errors=True):
             yield True
+
+
+class CompileTimedOut(Exception):
+    """A compile still running after :class:`BoundedCompiles`'s bound (it goes on, unwaited)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"still compiling after {seconds:g} s")
+        self.seconds = seconds
+
+
+class BoundedCompiles:
+    """An executor for ``AsyncCompileMode`` whose futures fail with :class:`CompileTimedOut`
+    once their job has run `per_job_s` seconds. Triton's compile cannot be interrupted: the job
+    goes on in its daemon thread (it never delays the interpreter's exit) and a new worker takes
+    its place, so one slow entry neither holds the engine's start nor the other entries. Why:
+    a manifest entry is input (issue 51): one crafted entry compiled for 1019 s at engine start."""
+
+    def __init__(self, threads: int, per_job_s: float):
+        import queue
+        import threading
+
+        self.per_job_s = per_job_s
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: dict = {}  # future -> (start, worker thread)
+        self._closed = threading.Event()
+        self._workers: set = set()
+        for _ in range(threads):
+            self._spawn()
+        threading.Thread(target=self._watch, name="kwarm-compile-bound", daemon=True).start()
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self, wait: bool = False, **_):
+        """No new jobs; idle workers end. Jobs past the bound are not waited for."""
+        self._closed.set()
+        with self._lock:
+            workers = len(self._workers)
+        for _ in range(workers):
+            self._jobs.put(None)
+
+    def _spawn(self) -> None:
+        import threading
+
+        worker = threading.Thread(target=self._work, name="kwarm-replay", daemon=True)
+        with self._lock:
+            self._workers.add(worker)
+        worker.start()
+
+    def _work(self) -> None:
+        import threading
+        import time
+
+        me = threading.current_thread()
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                break
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._lock:
+                self._running[future] = (time.monotonic(), me)
+            try:
+                result, error = fn(*args, **kwargs), None
+            except BaseException as exc:  # noqa: BLE001 (the future carries it)
+                result, error = None, exc
+            with self._lock:
+                abandoned = self._running.pop(future, None) is None
+            with contextlib.suppress(Exception):  # InvalidStateError: the bound failed it first
+                future.set_exception(error) if error is not None else future.set_result(result)
+            if abandoned:  # timed out: a new worker already took this one's place
+                break
+        with self._lock:
+            self._workers.discard(me)
+
+    def _watch(self) -> None:
+        import time
+
+        while True:
+            time.sleep(min(0.05, self.per_job_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                late = [f for f, (start, _) in self._running.items() if now - start > self.per_job_s]
+                for future in late:
+                    del self._running[future]
+                idle = self._closed.is_set() and not self._running
+            for future in late:
+                with contextlib.suppress(Exception):  # InvalidStateError: it finished just now
+                    future.set_exception(CompileTimedOut(self.per_job_s))
+                if not self._closed.is_set():
+                    self._spawn()
+            if idle:
+                return
 
 
 def _keeps_errors(mode_cls) -> bool:

@@ -293,13 +293,20 @@ def _is_chosen(entry, kernel, chosen: dict) -> bool:
 # ---------------------------------------------------------------------------- the steps
 
 
+# The most one entry's compile may take (a manifest is input, issue 51: one crafted entry compiled
+# for 1019 s at engine start); past it the entry is skipped and its compile goes on unwaited.
+# vLLM's own kernels compile in 0.1-30 s each on the GPU host.
+ENTRY_COMPILE_S = 180.0
+
+
 def compile_entries(state: ReplayState) -> list:
     """Step 3: preload every job in parallel, with kwarm's recorder paused; also compiles the
-    no-op kernel through its binder (the one-time specialization imports)."""
+    no-op kernel through its binder (the one-time specialization imports). An entry still
+    compiling :data:`ENTRY_COMPILE_S` after it started is skipped, unwaited (Triton 3.5+)."""
     threads = max(1, min(state.threads, len(state.jobs)))
     results = []
     with learn.paused():
-        with triton_compile.parallel_compiles(threads):
+        with triton_compile.parallel_compiles(threads, per_job_s=ENTRY_COMPILE_S):
             for job in state.jobs:
                 try:
                     results.append(triton_preload.preload(job))
