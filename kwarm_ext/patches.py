@@ -143,7 +143,8 @@ def _wrap_kernel_warmup(wrapped, instance, args, kwargs):
     with fail_open("warmup failed, the engine starts without it"):
         from kwarm_ext import warmup
 
-        warmup.run(worker)  # isolates each of its own steps
+        with warmup.outside_kv_cache_sizing(worker):  # vLLM 0.34+: kwarm's peak is no serving transient
+            warmup.run(worker)  # isolates each of its own steps
     return result
 
 

@@ -72,6 +72,35 @@ def guarded(what: str, fn):
     raise StepFailed(f"{type(outcome.error).__name__}: {outcome.error}") from outcome.error
 
 
+# vLLM 0.34+: keeps a one-off step's transient memory out of the extensible KV cache's reserve
+KV_TRANSIENT_WINDOW = "vllm.model_executor.warmup.kernel_warmup:_outside_kv_cache_transient_window"
+
+
+@contextlib.contextmanager
+def outside_kv_cache_sizing(worker):
+    """The context kwarm's warmup runs in: on vLLM 0.34+ with an extensible KV cache (the default
+    where supported), vLLM's own ``_outside_kv_cache_transient_window(worker)``, which its one-off
+    autotuning runs in. That cache is sized from the allocator's peak since
+    ``compile_or_warm_up_model`` began (kept free for serving's transients); kwarm's warmup is
+    one-off compile work, and inside the window its peak does not shrink the KV cache. Elsewhere
+    (no extensible KV cache, 0.20-0.33): nothing. Entering or leaving it fails open (one warning)."""
+    window = None
+    with fail_open("could not keep kwarm's warmup out of vLLM's KV-cache sizing, its peak memory may count there"):
+        from kwarm_ext.vllm_compat import resolve_or_none
+
+        found = resolve_or_none(KV_TRANSIENT_WINDOW)
+        if found is not None and getattr(getattr(worker, "model_runner", None), "extensible_kv_cache", None) is not None:
+            candidate = found(worker)
+            candidate.__enter__()
+            window = candidate
+    try:
+        yield window is not None
+    finally:
+        if window is not None:
+            with fail_open("leaving vLLM's KV-cache transient window failed, its peak memory may count kwarm's"):
+                window.__exit__(None, None, None)
+
+
 def run(worker) -> dict:
     """Warm `worker`; returns the report (also written to KWARM_REPORT)."""
     settings = config.get()
