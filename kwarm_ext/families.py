@@ -87,7 +87,7 @@ FAMILIES = {
                "the load, then on the engine's weights through CUDA IPC), beside the profile run's "
                "torch.compile where it has one, so that the profile run and vLLM's warmup load them",
                "vLLM compiles its profile run's kernels and then its own list one by one (deep_gemm_warmup, "
-               "0.20-0.33); before 0.33 it skips weights whose N is not a multiple of 128, and every "
+               "0.20-0.34); before 0.33 it skips weights whose N is not a multiple of 128, and every "
                "release skips grouped layouts between its counts; kwarm compiles all of them in "
                "parallel first", ahead=True, before_load=True),
         Family("replay", "kwarm_ext.surfaces.triton.replay",
@@ -127,7 +127,7 @@ FAMILIES = {
         Family("fused_moe", "kwarm_ext.kernels.fused_moe",
                "MoE models: vLLM's Triton fused-MoE GEMM at every eager token-count class "
                "(config region x integer class), through the runner's own dummy runs",
-               "none (0.20-0.33): the V2 runner's warmup_kernels (0.29+) runs a few real steps, which do "
+               "none (0.20-0.34): the V2 runner's warmup_kernels (0.29+) runs a few real steps, which do "
                "not reach the eager token counts; kwarm warms every class, on the V1 and V2 runners"),
         Family("sampler", "kwarm_ext.kernels.sampler",
                "Model Runner V2's sampler: seeded top-k/top-p (Triton), min_p and temperature (fp32 Gumbel), "
@@ -149,7 +149,8 @@ FAMILIES = {
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
                "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA, "
                "on up to 8 threads (the MoE router gate runs through its own forward)",
-               "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)"),
+               "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.34), but the MoE router "
+               "gate's own small-count GEMM (0.28+), which kwarm leaves to vLLM"),
         Family("v2_warmup", "kwarm_ext.kernels.v2_warmup",
                "Model Runner V2's own warmup_kernels (real prefill and decode steps: the runner's input-"
                "preparation, KV-zeroing and Mamba state kernels) where vLLM does not run it, after start-up "
@@ -162,7 +163,7 @@ FAMILIES = {
                "model's and vLLM's aux stream, and FLASH_ATTN_MLA_SPARSE's forward_mqa at each one-request "
                "decode size (FlashAttention 3's scratch), and vLLM's eager dummy step at max_num_batched_tokens "
                "(the large pool), so that the first requests' allocations find them",
-               "none (0.20-0.33)", after_capture=True),
+               "none (0.20-0.34)", after_capture=True),
     )
 }
 
@@ -172,7 +173,8 @@ FAMILIES = {
 FRONTEND = Family("frontend", "kwarm_ext.frontend",
                   "front-end process: loads vLLM's logits-processor plugins when its InputProcessor "
                   "is built, not on the first request",
-                  "none: vLLM loads them on the first request (0.20-0.33)", process="front-end")
+                  "vLLM loads them on the first request (0.20-0.32); 0.33+ loads them as it builds its "
+                  "InputProcessor, and kwarm does nothing", process="front-end")
 # Not a worker family either: it runs in vLLM's engine core, when the StructuredOutputManager is
 # built (kwarm_ext/patches.py), building xgrammar's backend beside the engine's start.
 STRUCTURED_OUTPUT = Family("structured_output", "kwarm_ext.structured_output",

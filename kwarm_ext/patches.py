@@ -33,7 +33,7 @@ attribute ``kernel_warmup`` (imported there by name, so patching
 have no effect). The original runs first, with ``*args, **kwargs`` passed through
 (``process_local_only=`` appears in 0.27); kwarm's warmup runs after it returns.
 
-vLLM versions: needed for every release kwarm supports, 0.20.0 to 0.33.0 (checked at
+vLLM versions: needed for every release kwarm supports, 0.20.0 to 0.34.0 (checked at
 each release by ``kwarm doctor`` and tests/test_hook.py). It can go when vLLM offers a
 public warmup-extension point that runs at the same moment (the JIT-warmup registry
 of 0.29+ is per kernel, not per deployment, and absent from 0.20–0.28).
@@ -165,7 +165,7 @@ def _wrap_determine_available_memory(wrapped, instance, args, kwargs):
     used: that measures what it always measured.
     Where this wrapper could not run them, the families run before ``kernel_warmup`` as before
     (:func:`_wrap_kernel_warmup`; once per worker either way).
-    vLLM versions: 0.20-0.33, where ``Worker.determine_available_memory`` runs the profile run.
+    vLLM versions: 0.20-0.34, where ``Worker.determine_available_memory`` runs the profile run.
     It can go with ``deep_gemm`` (when vLLM compiles DeepGEMM's kernels in parallel or ships them).
     """
     beside = contextlib.nullcontext()
@@ -195,7 +195,7 @@ def _wrap_load_model(wrapped, instance, args, kwargs):
     ahead run did, their imports and the first compiles overlapped nothing (a cold FP8 start on
     vLLM 0.29.0: 15-18 s between the work list going out and the processes' last call ending,
     beyond their busiest's calls; BENCHMARKS.md). Started here, they import while vLLM reads the
-    weights. vLLM versions: 0.20-0.33 (``Worker.load_model``). It can go with ``deep_gemm``.
+    weights. vLLM versions: 0.20-0.34 (``Worker.load_model``). It can go with ``deep_gemm``.
     """
     loading = contextlib.nullcontext()
     with fail_open("steps before weight loading failed, the ahead families start their work later"):
@@ -213,7 +213,7 @@ def _wrap_initialize_model(wrapped, instance, args, kwargs):
 
     Why: ``deep_gemm``'s compiles depend on the linear layers' shapes only, and those are known
     once the model is built: sent then, they run while vLLM loads the weights (minutes for a
-    real checkpoint) instead of after it. vLLM versions: 0.20-0.33 (``BaseModelLoader.load_model``
+    real checkpoint) instead of after it. vLLM versions: 0.20-0.34 (``BaseModelLoader.load_model``
     calls the ``initialize_model`` its module imported by name; loaders that call their own
     leave the compiles to the ahead run). It can go with ``deep_gemm``.
     """
@@ -246,7 +246,7 @@ def _wrap_compile_or_warm_up_model(wrapped, instance, args, kwargs):
     starts a new small-pool segment with ``cudaMalloc`` and its repeat does not (both tiny
     models, vLLM 0.24.0, the engine benchmark's allocator counters; see kernels/caching_allocator.py,
     the one family that runs here). The worker's ``compile_or_warm_up_model`` is the
-    last thing vLLM runs on a worker before serving, in every release 0.20-0.33, whichever
+    last thing vLLM runs on a worker before serving, in every release 0.20-0.34, whichever
     runner (V1 or V2) and whether or not it captures. It can go when vLLM stops emptying the
     allocator after capture, or offers a hook after it.
     """
@@ -290,7 +290,7 @@ def _wrap_create_engine_config(wrapped, instance, args, kwargs):
     the model is block-FP8 long before a worker builds it (the checkpoint's config.json as the
     call starts; making the config itself took 27 s there): marked in the environment the
     engine's processes inherit, those start the parent as kwarm activates there, beside their
-    own imports, and an engine in this process has it started here. vLLM versions: 0.20-0.33
+    own imports, and an engine in this process has it started here. vLLM versions: 0.20-0.34
     (``vllm/engine/arg_utils.py``). It can go with ``deep_gemm``.
     """
     family = None
@@ -314,7 +314,7 @@ def _wrap_input_processor_init(wrapped, instance, args, kwargs):
     Why: the first request's ``SamplingParams.verify`` loads the logits-processor plugins
     (an entry-point scan, 34-54 ms measured on vLLM 0.24.0); the process that does it is the
     front end, where no worker hook reaches. ``InputProcessor`` is built once per engine
-    client, before any request, in every release 0.20-0.33 (``vllm/v1/engine/
+    client, before any request, in every release 0.20-0.34 (``vllm/v1/engine/
     input_processor.py``). It can go when vLLM loads those plugins at start-up.
     """
     result = wrapped(*args, **kwargs)
@@ -331,7 +331,7 @@ def _wrap_structured_output_init(wrapped, instance, args, kwargs):
 
     Why: vLLM builds the backend on the first structured request, in that request's time (475 ms at
     a 129k vocabulary, BENCHMARKS.md); the manager is built once per engine core, before any request,
-    in every release 0.20-0.33 (``vllm/v1/structured_output/__init__.py``). It can go when vLLM builds
+    in every release 0.20-0.34 (``vllm/v1/structured_output/__init__.py``). It can go when vLLM builds
     its structured-output backend at start-up.
     """
     result = wrapped(*args, **kwargs)
@@ -387,29 +387,29 @@ def ran_v2_warmup(runner) -> bool:
 
 
 # The table: every patch kwarm installs (each wrapper above says why and until when).
-KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.33",
+KERNEL_WARMUP = Patch(TARGET_MODULE, TARGET_ATTRIBUTE, _wrap_kernel_warmup, "0.20-0.34",
                       "kwarm's warmup will not run", announce="kwarm's families run after vLLM's warmup (its ahead families, deep_gemm, before vLLM's profile run)")
-BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determine_available_memory, "0.20-0.33",
+BEFORE_PROFILE = Patch(TARGET_MODULE, "determine_available_memory", _wrap_determine_available_memory, "0.20-0.34",
                        "DeepGEMM kernels of vLLM's profile run compile there one by one", owner="Worker")
-BEFORE_LOAD = Patch(TARGET_MODULE, "load_model", _wrap_load_model, "0.20-0.33",
+BEFORE_LOAD = Patch(TARGET_MODULE, "load_model", _wrap_load_model, "0.20-0.34",
                     "DeepGEMM's compile processes start after weight loading", owner="Worker")
-MODEL_BUILT = Patch(LOADER_MODULE, "initialize_model", _wrap_initialize_model, "0.20-0.33",
+MODEL_BUILT = Patch(LOADER_MODULE, "initialize_model", _wrap_initialize_model, "0.20-0.34",
                     "DeepGEMM's compiles wait for the weights to load")
-AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.33",
+AFTER_CAPTURE = Patch(TARGET_MODULE, "compile_or_warm_up_model", _wrap_compile_or_warm_up_model, "0.20-0.34",
                       "kwarm's after-capture steps will not run, and on vLLM 0.28-0.32 what start-up "
                       "torch.compiles is compiled again on the first request", owner="Worker")
-INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.33",
+INPUT_PROCESSOR = Patch(FRONTEND_MODULE, "__init__", _wrap_input_processor_init, "0.20-0.34",
                         "the front-end warmup will not run", owner="InputProcessor")
-ENGINE_CONFIG = Patch(ENGINE_ARGS_MODULE, "create_engine_config", _wrap_create_engine_config, "0.20-0.33",
+ENGINE_CONFIG = Patch(ENGINE_ARGS_MODULE, "create_engine_config", _wrap_create_engine_config, "0.20-0.34",
                       "DeepGEMM's compile processes start at weight loading, not with the engine's processes",
                       owner="EngineArgs")
 V2_WARMUP = Patch(TARGET_MODULE, "warmup_kernels", _wrap_warmup_kernels, "0.20-0.34",
                   "v2_warmup cannot tell whether vLLM ran Model Runner V2's warmup_kernels and does not run it")
 STRUCTURED_OUTPUT_MODULE = "vllm.v1.structured_output"
-STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_structured_output_init, "0.20-0.33",
+STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_structured_output_init, "0.20-0.34",
                                "xgrammar's backend is built on the first structured request",
                                owner="StructuredOutputManager")
-GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.33",
+GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.34",
                      "the backend kwarm built is not used", owner="StructuredOutputManager")
 PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, V2_WARMUP, AFTER_CAPTURE,
            INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT,

@@ -83,7 +83,7 @@ def outside_kv_cache_sizing(worker):
     autotuning runs in. That cache is sized from the allocator's peak since
     ``compile_or_warm_up_model`` began (kept free for serving's transients); kwarm's warmup is
     one-off compile work, and inside the window its peak does not shrink the KV cache. Elsewhere
-    (no extensible KV cache, 0.20-0.33): nothing. Entering or leaving it fails open (one warning)."""
+    (no extensible KV cache: 0.20-0.33, or turned off): nothing. Entering or leaving it fails open (one warning)."""
     window = None
     with fail_open("could not keep kwarm's warmup out of vLLM's KV-cache sizing, its peak memory may count there"):
         from kwarm_ext.vllm_compat import resolve_or_none

@@ -128,7 +128,7 @@ def test_every_family_says_what_upstream_covers_and_what_kwarm_adds():
                                      "selected": True, "here": "yes"}},
          "config": {}, "config_problems": []}
     text = doctor_module.render(r)
-    assert "upstream: none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.33)" in text
+    assert "upstream: none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.34)" in text
     assert text.index("upstream:") < text.index("runs here: yes")
 
 
