@@ -326,13 +326,14 @@ def v2_warmup_kernels_runs(view) -> str | None:
     where it is selected and no CUDA graph is captured (on 0.28 vLLM runs it there itself, and
     ``v2_warmup`` then does not). JIT warmup off by hand with CUDA graphs: None, also on 0.28,
     where the family's own zeroing is then one launch more than needed, never a second compile."""
-    if resolve_or_none("vllm.v1.worker.gpu.warmup:warmup_kernels") is None:
+    from kwarm_ext import config
+    from kwarm_ext.kernels import v2_warmup
+
+    if resolve_or_none(v2_warmup.WARMUP_KERNELS) is None:
         return None
     if _read(view, "kernel_config.enable_jit_warmup", None) in (None, True) or \
             _read(view, "cache_config.enable_extensible_kv_cache", False) is True:
         return "run by vLLM"
-    from kwarm_ext import config
-    from kwarm_ext.kernels import v2_warmup
 
     if config.get().warmups.wants("v2_warmup") and v2_warmup.applies(view) is None and \
             v2_warmup.captured_nothing(view):
