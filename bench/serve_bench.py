@@ -291,6 +291,65 @@ def backends_from_log(lines) -> list[str]:
 
 
 KWARM_DONE_RE = re.compile(r"kwarm: warmup done in ([\d.]+) s")
+KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(lines) -> int | None:
+    """The token count of vLLM's "GPU KV cache size: N tokens" line (the last one), if any."""
+    found = [int(m.group(1).replace(",", "")) for m in map(KV_TOKENS_RE.search, lines) if m]
+    return found[-1] if found else None
+
+
+class GpuMemory:
+    """The device's used memory (``nvidia-smi``, every `interval` s) while a server runs alone on it
+    (``--one-at-a-time``): ``timeline`` [[seconds since `t0`, MiB], ...] and ``peak_mib``."""
+
+    def __init__(self, t0: float, interval: float = 0.5):
+        self.t0, self.interval, self.samples = t0, interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-memory", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self):
+        while not self._stop.is_set():
+            mib = gpu_used_mib()
+            if mib is not None:
+                self.samples.append([round(time.time() - self.t0, 1), mib])
+            self._stop.wait(self.interval)
+
+    def summary(self, every: float = 2.0) -> dict:
+        """Peak, and a timeline thinned to one sample per `every` s that keeps every sample's maximum."""
+        if not self.samples:
+            return {}
+        thin, bucket = [], None
+        for t, mib in self.samples:
+            key = int(t // every)
+            if bucket is not None and bucket[0] == key:
+                bucket[1] = max(bucket[1], mib)
+            else:
+                if bucket is not None:
+                    thin.append([bucket[0] * every, bucket[1]])
+                bucket = [key, mib]
+        thin.append([bucket[0] * every, bucket[1]])
+        peak_t, peak = max(self.samples, key=lambda s: s[1])
+        return {"peak_gpu_mib": peak, "peak_gpu_at_s": peak_t, "gpu_mib_timeline": thin,
+                "gpu_sample_interval_s": self.interval}
+
+
+def gpu_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+        return int(out[0]) if out else None
+    except Exception:  # noqa: BLE001  (no GPU here: no samples)
+        return None
 
 
 # ----------------------------------------------------------------------------------- servers
@@ -575,7 +634,7 @@ def start_phase(servers: list[Server], phase: str, timeout: float, log) -> dict:
         ready = s.ready_at is not None
         info = {"ready": ready, "launch_to_ready_s": round(s.ready_at - s.launched, 2) if ready else None,
                 "exit_code": None if s.alive() else (s.proc.returncode if s.proc else None),
-                "backends": backends_from_log(lines),
+                "backends": backends_from_log(lines), "kv_cache_tokens": kv_cache_tokens(lines),
                 "lazy_before_ready": summarize_lazy(events_between(load_events(s.events_path), s.launched,
                                                                    s.ready_at or time.time()))}
         if not ready:
@@ -650,6 +709,10 @@ def run(args) -> int:
         root = work / sname
         root.mkdir()
         env = server_env(base, root, sname)
+        if args.share_flashinfer_cache:  # the first server builds FlashInfer's modules, the next loads them
+            shared = Path(args.work).resolve() / "flashinfer-shared"  # beside every model's folder: one build
+            shared.mkdir(parents=True, exist_ok=True)
+            env["FLASHINFER_WORKSPACE_BASE"] = str(shared)
         servers.append(Server(sname, root, args.port + i, serve_command(model_dir, args.port + i, args, sname == "kwarm"), env))
     result = {"schema": SCHEMA, "model": name, "model_path": str(model_src), "versions": versions(), "gpu": gpu_name(),
               "args": {k: v for k, v in vars(args).items() if k not in ("table",)}, "tokenizer": tokenizer,
@@ -674,30 +737,42 @@ def run(args) -> int:
                     log(f"no {label} restart: {left:.0f} s left, about {need:.0f} s needed")
                     result["skipped"] = f"{label}: {left:.0f} s left of the budget, about {need:.0f} s needed"
                     break
-            with sync_lock(args.sync_lock, exclusive=False) as waited_start:
-                started_phase = start_phase(servers, label, min(args.start_timeout, deadline - time.time()), log)
-            phase_rec = {"phase": label, "servers": started_phase, "lock_wait_s": {"start": round(waited_start, 1)}}
+            phase_rec = {"phase": label, "servers": {}, "lock_wait_s": {}, "start_s": 0.0, "requests_s": 0.0}
             result["phases"].append(phase_rec)
-            save()
-            ready = [s for s in servers if started_phase[s.name]["ready"]]
-            phase_rec["start_s"] = round(time.time() - t_start, 1)
-            t_requests = time.time()
-            if ready:
-                with sync_lock(args.sync_lock, exclusive=True) as waited:
-                    phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
-                    measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
-                for sname, rec in measured.items():
-                    started_phase[sname].update(rec)
-                for s in ready:  # kwarm's report is complete once warmup (after capture too) is done
-                    if s.name == "kwarm":
-                        started_phase[s.name].update(kwarm_report(s.root / "kwarm-report.json"))
-                        if (s.root / "kwarm-report.json").exists():
-                            shutil.copy(s.root / "kwarm-report.json", out_dir / f"{name}.kwarm-report.{label}.json")
-            phase_rec["requests_s"] = round(time.time() - t_requests, 1)
-            save()
-            for s in servers:
-                s.stop()
-                shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
+            # side by side: every server at once; --one-at-a-time: each alone on the GPU, in turn
+            for group in ([[s] for s in servers] if args.one_at_a_time else [servers]):
+                t_group = time.time()
+                with contextlib.ExitStack() as stack:
+                    sampler = stack.enter_context(GpuMemory(t_group)) if args.one_at_a_time else None
+                    with sync_lock(args.sync_lock, exclusive=False) as waited_start:
+                        started = start_phase(group, label, min(args.start_timeout, deadline - time.time()), log)
+                    phase_rec["servers"].update(started)
+                    phase_rec["lock_wait_s"]["start"] = round(waited_start, 1)
+                    save()
+                    ready = [s for s in group if started[s.name]["ready"]]
+                    phase_rec["start_s"] += round(time.time() - t_group, 1)
+                    t_requests = time.time()
+                    if ready:
+                        with sync_lock(args.sync_lock, exclusive=True) as waited:
+                            phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
+                            measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
+                        for sname, rec in measured.items():
+                            started[sname].update(rec)
+                        for s in ready:  # kwarm's report is complete once warmup (after capture too) is done
+                            if s.name == "kwarm":
+                                started[s.name].update(kwarm_report(s.root / "kwarm-report.json"))
+                                if (s.root / "kwarm-report.json").exists():
+                                    shutil.copy(s.root / "kwarm-report.json", out_dir / f"{name}.kwarm-report.{label}.json")
+                    phase_rec["requests_s"] += round(time.time() - t_requests, 1)
+                    for s in group:
+                        s.stop()
+                        shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
+                if sampler is not None:
+                    for s in group:
+                        started[s.name].update(sampler.summary())
+                        log(f"{label} {s.name}: peak GPU memory {started[s.name].get('peak_gpu_mib')} MiB, "
+                            f"KV cache {started[s.name].get('kv_cache_tokens')} tokens")
+                save()
     finally:
         for s in servers:
             s.stop()
@@ -774,6 +849,15 @@ def render(results: list[dict]) -> str:
                 ran = sorted((f for f in fams if f.get("status") == "ran"), key=lambda f: -(f.get("seconds") or 0))
                 out.append("| kwarm families (s) | | " + ", ".join(
                     f"{f['name']} {f.get('seconds') or 0:.2f}" for f in ran[:6]) + " |")
+            if plain.get("kv_cache_tokens") or kw.get("kv_cache_tokens"):
+                out.append(f"| GPU KV cache (vLLM's log) | {plain.get('kv_cache_tokens') or '—'} tokens | "
+                           f"{kw.get('kv_cache_tokens') or '—'} tokens |")
+            if plain.get("peak_gpu_mib") or kw.get("peak_gpu_mib"):
+                out.append(f"| peak GPU memory (nvidia-smi, alone on the GPU) | {plain.get('peak_gpu_mib') or '—'} MiB | "
+                           f"{kw.get('peak_gpu_mib') or '—'} MiB |")
+            memory_text = (kw.get("kwarm_report_summary") or {}).get("memory")
+            if memory_text:
+                out.append(f"| kwarm's GPU memory (its report) | | {memory_text} |")
             for key, label in (("lazy_before_ready", "lazy work before ready"), ("between_requests", "lazy work between requests")):
                 out.append(f"| {label} | {lazy_text(plain.get(key), 3)} | {lazy_text(kw.get(key), 3)} |")
             out.append("")
@@ -848,6 +932,44 @@ def chart(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def memory_chart(results: list[dict]) -> str:
+    """An SVG: per model and phase, the GPU's used memory (MiB) from launch, `vllm serve` and
+    `kwarm run -- vllm serve` each alone on the GPU (``--one-at-a-time``), ready marked on each."""
+    panels = [(res, phase) for res in results for phase in res.get("phases", [])
+              if any(s.get("gpu_mib_timeline") for s in phase["servers"].values())]
+    left, width, height, gap = 60, 560, 150, 40
+    colors = {"plain": "#c0392b", "kwarm": "#2471a3"}
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" '
+           f'height="{30 + max(1, len(panels)) * (height + gap)}" font-family="sans-serif" font-size="10">',
+           f'<text x="{left}" y="14" font-size="11">GPU memory used (nvidia-smi) from launch, each server alone on the GPU: '
+           f'<tspan fill="{colors["plain"]}">vllm serve</tspan>, <tspan fill="{colors["kwarm"]}">kwarm run -- '
+           'vllm serve</tspan>; a tick marks ready</text>']
+    for p, (res, phase) in enumerate(panels):
+        y0 = 30 + p * (height + gap)
+        servers = phase["servers"]
+        t_max = max((s["gpu_mib_timeline"][-1][0] for s in servers.values() if s.get("gpu_mib_timeline")), default=1) or 1
+        total = max(80 * 1024, max((s.get("peak_gpu_mib") or 0) for s in servers.values()))
+        out.append(f'<text x="4" y="{y0 + 8}" font-size="11" font-weight="bold">{res["model"]}, {phase["phase"]} start, '
+                   f'--gpu-memory-utilization {res.get("args", {}).get("gpu_util")} ({res.get("gpu") or "GPU ?"})</text>')
+        for gib in range(0, int(total / 1024) + 1, 20):
+            y = y0 + 14 + height * (1 - gib * 1024 / total)
+            out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + width}" y2="{y:.1f}" stroke="#eee"/>'
+                       f'<text x="{left - 4}" y="{y + 3:.1f}" text-anchor="end">{gib} GiB</text>')
+        for name, s in servers.items():
+            line = s.get("gpu_mib_timeline") or []
+            if not line:
+                continue
+            pts = " ".join(f"{left + width * t / t_max:.1f},{y0 + 14 + height * (1 - mib / total):.1f}" for t, mib in line)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{colors.get(name, "#555")}"/>')
+            if s.get("launch_to_ready_s"):
+                x = left + width * s["launch_to_ready_s"] / t_max
+                out.append(f'<line x1="{x:.1f}" y1="{y0 + 14 + height - 6}" x2="{x:.1f}" y2="{y0 + 14 + height + 4}" '
+                           f'stroke="{colors.get(name, "#555")}" stroke-width="2"/>')
+        out.append(f'<text x="{left + width}" y="{y0 + height + 28}" text-anchor="end">{t_max:.0f} s</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="model folder with config.json (bench/models/...)")
@@ -866,12 +988,21 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds a start may take")
     ap.add_argument("--sync-lock", metavar="FILE", help="a lock file shared with benchmarks beside this one")
     ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="each server alone on the GPU, in turn (plain, then kwarm), its GPU memory sampled every "
+                         "0.5 s with nvidia-smi: for production memory, e.g. --gpu-util 0.92 --kv-bytes ''")
+    ap.add_argument("--share-flashinfer-cache", action="store_true",
+                    help="one FlashInfer JIT workspace for every server and model of --work (with --one-at-a-time: the "
+                         "first server builds its nvcc modules, the later ones load them; saves about 100 s of a start, "
+                         "which then is not a cold start)")
+    ap.add_argument("--memory-chart", nargs="+", metavar=("OUT.svg", "RESULT"),
+                    help="write an SVG of each server's GPU memory over time (--one-at-a-time results) and exit")
     args = ap.parse_args(argv)
-    if args.table or args.chart:
-        if args.chart and len(args.chart) < 2:
-            ap.error("--chart OUT.svg RESULT...")
+    if args.table or args.chart or args.memory_chart:
+        if (args.chart and len(args.chart) < 2) or (args.memory_chart and len(args.memory_chart) < 2):
+            ap.error("--chart/--memory-chart OUT.svg RESULT...")
         results = []
-        for path in (args.table or args.chart[1:]):
+        for path in (args.table or (args.chart or args.memory_chart)[1:]):
             try:
                 data = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
@@ -879,9 +1010,10 @@ def main(argv=None) -> int:
                 return 1
             if data.get("schema") == SCHEMA:
                 results.append(data)
-        if args.chart:
-            Path(args.chart[0]).write_text(chart(results))
-            print(f"serve_bench: wrote {args.chart[0]} ({len(results)} results)")
+        if args.chart or args.memory_chart:
+            out_svg = (args.chart or args.memory_chart)[0]
+            Path(out_svg).write_text(chart(results) if args.chart else memory_chart(results))
+            print(f"serve_bench: wrote {out_svg} ({len(results)} results)")
         else:
             print(render(results))
         return 0

@@ -214,10 +214,14 @@ def summarize_report(report: dict | None) -> dict | None:
             "steps_skipped": sum(s.get("status") == "skipped" for s in steps),
             "steps_failed": sum(s.get("status") == "failed" for s in steps),
             "compiled": len(fam.get("compiled", [])),
+            "memory": fam.get("memory") or {},  # its largest step's GPU memory (kwarm_ext.memory)
         })
+    memory = "; ".join(filter(None, [report.get("memory_summary"),
+                                     (report.get("after_capture") or {}).get("memory_summary")]))
     return {"total_s": total_seconds(report), "rank": report.get("rank"), "pid": report.get("pid"),
             "view": bool(report.get("view")), "families": families,
-            "compiled": sum(f["compiled"] for f in families)}
+            "compiled": sum(f["compiled"] for f in families), "memory": memory or None,
+            "memory_bound": report.get("memory")}
 
 
 AFTER_CAPTURE = " (after capture)"

@@ -122,6 +122,17 @@ class Target:
     out_bytes: int = 0  # what one call at `last` allocates (its outputs)
 
 
+def _capture_room(torch, device_type):
+    """Bytes the capture threads' CUDA graphs may hold: what kwarm's memory bound leaves
+    (``kwarm_ext.memory``), else half the device's free memory; None off CUDA."""
+    if device_type != "cuda":
+        return None
+    from kwarm_ext import memory
+
+    left = memory.room()
+    return torch.cuda.mem_get_info()[0] // 2 if left is None else left
+
+
 def applies(view) -> str | None:
     if view.runner is None:
         return "no model runner"
@@ -300,10 +311,17 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 if budgeted and budget.left() <= 0:  # nothing to capture: an empty CUDA graph makes torch warn in vLLM's log
                     warmed, left, mode = gemm_capture.warm(calls, order, budgeted) + ("warmed",)
                 else:
-                    free = torch.cuda.mem_get_info()[0] if device_type == "cuda" else None
-                    threads = gemm_capture.capture_threads(device_type, len(order), tp_size, free,
-                                                           max(t.out_bytes for t, _ in captured))
-                    warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, device_type, threads)
+                    free = _capture_room(torch, device_type)
+                    out_bytes = max(t.out_bytes for t, _ in captured)
+                    threads = gemm_capture.capture_threads(device_type, len(order), tp_size, free, out_bytes)
+                    wanted = gemm_capture.capture_threads(device_type, len(order), tp_size, None, out_bytes)
+                    how, note = device_type, ""
+                    if free is not None and free < 2 * out_bytes:  # not even one graph's pool: run them, one output at a time
+                        how, note = None, f" (kwarm's memory bound leaves {free >> 20} MiB, one CUDA graph needs {2 * out_bytes >> 20})"
+                    elif threads < wanted:
+                        note = f" (kwarm's memory bound leaves {free >> 20} MiB: {threads} of {wanted} threads)"
+                    warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, how, threads)
+                    mode += note
                 modes.append(mode)
             if ran:
                 calls = [(target, target.prepare(buffers)) for target, _ in ran]

@@ -44,13 +44,13 @@ def capture(calls: list, order: list, budgeted: bool, torch, device_type: str | 
 
 def capture_threads(device_type: str | None, problems: int, tp_size=None, free_bytes=None, out_bytes: int = 0) -> int:
     """On CUDA, this rank's share of the cores up to :data:`CAPTURE_THREADS`, at least
-    :data:`PROBLEMS_PER_THREAD` problems each, and as many as half the device's `free_bytes`
-    hold at twice the largest output each (a thread's CUDA graph keeps its own memory pool: 8
-    threads at published-size DeepSeek-V3.2, 1.2 GB outputs, ran out of memory beside three other
-    engines); 1 elsewhere (CPU GEMMs run, nothing is chosen)."""
+    :data:`PROBLEMS_PER_THREAD` problems each, and as many as `free_bytes` (what kwarm's memory
+    bound leaves, ``kwarm_ext.memory.room``) hold at twice the largest output each (a thread's CUDA
+    graph keeps its own memory pool: 8 threads at published-size DeepSeek-V3.2, 1.2 GB outputs, ran
+    out of memory beside three other engines); 1 elsewhere (CPU GEMMs run, nothing is chosen)."""
     if device_type != "cuda":
         return 1
-    room = CAPTURE_THREADS if free_bytes is None else free_bytes // 2 // max(1, 2 * out_bytes)
+    room = CAPTURE_THREADS if free_bytes is None else free_bytes // max(1, 2 * out_bytes)
     return max(1, min(CAPTURE_THREADS, triton_compile.compile_threads(tp_size), problems // PROBLEMS_PER_THREAD, room))
 
 

@@ -51,6 +51,7 @@ class Family:
     ahead: bool = False  # planned and run before vLLM's profile run (else its kernel_warmup)
     before_load: bool = False  # its module's before_load(worker) runs as vLLM starts loading weights
     process: str = "worker"  # where it runs: the worker's warmup, or another vLLM process (not planned there)
+    keeps_memory: bool = False  # the caching allocator's blocks it grows are its product: not returned after it
 
     def load(self):
         return importlib.import_module(self.module)
@@ -163,7 +164,7 @@ FAMILIES = {
                "model's and vLLM's aux stream, and FLASH_ATTN_MLA_SPARSE's forward_mqa at each one-request "
                "decode size (FlashAttention 3's scratch), and vLLM's eager dummy step at max_num_batched_tokens "
                "(the large pool), so that the first requests' allocations find them",
-               "none (0.20-0.34)", after_capture=True),
+               "none (0.20-0.34)", after_capture=True, keeps_memory=True),
     )
 }
 

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from kwarm_ext import budget, config, engine, monitor
+from kwarm_ext import budget, config, engine, memory, monitor
 from kwarm_ext.log import fail_open
 from kwarm_ext.families import FAMILIES, Plan
 
@@ -39,6 +39,7 @@ class FamilyResult:
     steps: list = dataclasses.field(default_factory=list)  # {name, kernel, status, variants, reason, seconds}
     compiled: list = dataclasses.field(default_factory=list)  # {kernel, module, key}
     details: dict = dataclasses.field(default_factory=dict)  # a family's own outcome (replay's counts)
+    memory: dict = dataclasses.field(default_factory=dict)  # its largest step's GPU memory (kwarm_ext.memory)
 
     def short(self) -> str:
         if self.status != "ran":
@@ -106,7 +107,14 @@ def run(worker) -> dict:
     settings = config.get()
     t0 = time.perf_counter()
     report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None,
-              "budget": budget.begin(settings.budget)}
+              "budget": budget.begin(settings.budget), "memory": memory.begin(worker)}
+    try:
+        return _run(worker, settings, t0, report)
+    finally:
+        memory.end()  # the cap lifted, the blocks kwarm grew returned before vLLM's capture
+
+
+def _run(worker, settings, t0: float, report: dict) -> dict:
     try:
         view = guarded("engine view", lambda: engine.build(worker))
     except StepFailed:
@@ -133,6 +141,7 @@ def run(worker) -> dict:
     report["rank"] = rank
     logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",
                 report["total_s"], rank, report["budget"], _outcome(results), _learning_text(learning))
+    _memory_line(report, results, rank)
     _write(report, settings, rank)
     _pending[id(worker)] = (view, report)
     return report
@@ -287,11 +296,16 @@ def after_capture(worker) -> dict | None:
     if not names:
         return None
     t0 = time.perf_counter()
-    results = [_run_family(name, view, settings) for name in names]
+    bound = memory.begin(worker, after_capture=True)
+    try:
+        results = [_run_family(name, view, settings) for name in names]
+    finally:
+        memory.end(release_blocks=False)  # the caching allocator's blocks stay for the first requests
     seconds = round(time.perf_counter() - t0, 4)
     rank = report.get("rank", 0) if report else 0
     logger.info("kwarm: after CUDA-graph capture, %.2f s on rank %s: %s", seconds, rank, _outcome(results))
-    part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results]}
+    part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results], "memory": bound}
+    _memory_line(part, results, rank, "after CUDA-graph capture, ")
     if report is not None:
         report["after_capture"] = part
         _write(report, settings, rank)
@@ -340,10 +354,19 @@ def _run_family(name: str, view, settings) -> FamilyResult:
     runnable = [step.name for step in steps if step.skip is None and step.run is not None]
     logger.info("kwarm: %s: %d of %d steps to run (%s)", name, len(runnable), len(steps),
                 ", ".join(runnable) or "none")
+    reserved = memory.reserved()
     with monitor.capture() as compiled, _progress(name) as current:
         for step in steps:
             current[0] = step.name
             result.steps.append(_run_step(name, step))
+    largest = memory.largest((s["name"], s) for s in result.steps)
+    if largest is not None:
+        result.memory = {"step": largest[0], **largest[1]}
+    if reserved is not None and not FAMILIES[name].keeps_memory and (memory.reserved() or 0) > reserved:
+        try:  # what this family grew goes back to the device, not to the next family or vLLM's capture
+            guarded(f"warmup family {name} (returning its cached GPU memory)", lambda: memory.release(collect=False))
+        except StepFailed:
+            pass
     result.compiled = [{"kernel": c.kernel, "module": c.module, "key": c.key}
                        | ({"surface": c.surface} if c.surface != "triton" else {}) for c in compiled]
     labels = [label for step, record in zip(steps, result.steps)
@@ -411,13 +434,41 @@ def _run_step(family: str, step) -> dict:
         record["reason"] = step.skip or "nothing to run"
         return record
     t0 = time.perf_counter()
-    try:
-        record["variants"] = list(guarded(f"warmup step {family}.{step.name}", step.run) or [])
-        record["status"] = "ran"
-    except StepFailed as exc:
-        record["status"], record["reason"] = "failed", str(exc)
+    with memory.measure() as used:
+        try:
+            record["variants"] = list(guarded(f"warmup step {family}.{step.name}", step.run) or [])
+            record["status"] = "ran"
+        except StepFailed as exc:
+            record["status"], record["reason"] = "failed", str(exc)
+            if "OutOfMemoryError" in str(exc):  # what the failed step held goes back before the next one
+                with fail_open("could not return a failed step's GPU memory"):
+                    memory.release()
     record["seconds"] = round(time.perf_counter() - t0, 4)
+    if used:
+        record["memory"] = used
     return record
+
+
+def _memory_line(report: dict, results: list, rank, when: str = "") -> None:
+    """One line: kwarm's memory bound and the step that took the most (the report has them all)."""
+    bound = report.get("memory")
+    steps = [(f"{r.name}.{r.memory['step']}", r.memory) for r in results if r.memory]
+    if not bound and not steps:
+        return
+    top = max(steps, key=lambda item: item[1].get("peak_reserved", 0)) if steps else None
+    text = (f"bound {memory.gib(bound['headroom'])} above {memory.gib(bound['base_allocated'])} allocated "
+            f"({bound['how']})" if bound else "unbounded")
+    if top is not None:
+        name, used = top
+        text += (f"; largest step {name}: peak {memory.gib(used.get('peak_allocated'))} allocated"
+                 + (f" (+{memory.gib(used['above_base'])})" if "above_base" in used else "")
+                 + f", {memory.gib(used.get('peak_reserved'))} reserved")
+    oom = [f"{r.name}.{s['name']}" for r in results for s in r.steps
+           if s["status"] == "failed" and "OutOfMemoryError" in (s.get("reason") or "")]
+    if oom:
+        text += f"; out of memory within the bound, skipped: {', '.join(oom)}"
+    report["memory_summary"] = text
+    logger.info("kwarm: %sGPU memory on rank %s: %s", when, rank, text)
 
 
 def write_report(report: dict, path: str, rank: int) -> str:

@@ -190,8 +190,14 @@ def test_summarize_report_counts_steps():
     assert summary["total_s"] == 2.5 and summary["compiled"] == 2
     assert summary["families"][0] == {"name": "runner", "status": "ran", "reason": None, "seconds": 1.0,
                                       "steps": 3, "steps_ran": 1, "steps_skipped": 1, "steps_failed": 1,
-                                      "compiled": 2}
+                                      "compiled": 2, "memory": {}}
+    assert summary["memory"] is None and summary["memory_bound"] is None
     assert table.summarize_report(None) is None
+    measured = table.summarize_report({"memory_summary": "bound 4.00 GiB", "memory": {"headroom": 4 << 30},
+                                       "families": [{"name": "sampler", "memory": {"step": "logprobs"}}],
+                                       "after_capture": {"memory_summary": "after: bound 3.00 GiB", "families": []}})
+    assert measured["memory"] == "bound 4.00 GiB; after: bound 3.00 GiB"
+    assert measured["families"][0]["memory"] == {"step": "logprobs"} and measured["memory_bound"]["headroom"] == 4 << 30
 
     report = {"families": [], "after_capture": {"families": [
         {"name": "caching_allocator", "status": "ran", "seconds": 0.01, "steps": [{"status": "ran"}]}]}}

@@ -321,3 +321,37 @@ def test_chart_draws_every_kind_for_both_servers(tmp_path):
     assert len(circles) == answered
     with pytest.raises(SystemExit):
         serve_bench.main(["--chart", str(out)])
+
+
+def test_production_memory_mode_records_kv_tokens_peak_memory_and_draws_the_curves(tmp_path, monkeypatch):
+    """--one-at-a-time: vLLM's KV cache line, nvidia-smi's samples thinned keeping each maximum, the
+    table's memory rows and the memory chart (one polyline per server)."""
+    assert serve_bench.kv_cache_tokens(["INFO (EngineCore) GPU KV cache size: 1,234,567 tokens",
+                                        "GPU KV cache size: 2,048 tokens"]) == 2048
+    assert serve_bench.kv_cache_tokens(["no such line"]) is None
+    samples = iter([1000, 30000, 79215, 20600, None, 21000])
+    monkeypatch.setattr(serve_bench, "gpu_used_mib", lambda: next(samples, None))
+    sampler = serve_bench.GpuMemory(time.time(), interval=0.01)
+    with sampler:
+        time.sleep(0.3)
+    summary = sampler.summary(every=1000)
+    assert summary["peak_gpu_mib"] == 79215 and summary["gpu_mib_timeline"] == [[0, 79215]]
+    result = {"schema": serve_bench.SCHEMA, "model": "m", "versions": {}, "args": {"gpu_util": 0.92},
+              "request_kinds": [], "phases": [{"phase": "cold", "servers": {
+                  "plain": {"kv_cache_tokens": 1000, "peak_gpu_mib": 70000, "launch_to_ready_s": 10,
+                            "gpu_mib_timeline": [[0, 500], [10, 70000]]},
+                  "kwarm": {"kv_cache_tokens": 1000, "peak_gpu_mib": 69000, "launch_to_ready_s": 12,
+                            "gpu_mib_timeline": [[0, 500], [12, 69000]],
+                            "kwarm_report_summary": {"memory": "bound 2.00 GiB"}}}}]}
+    table = serve_bench.render([result])
+    assert "| GPU KV cache (vLLM's log) | 1000 tokens | 1000 tokens |" in table
+    assert "| peak GPU memory (nvidia-smi, alone on the GPU) | 70000 MiB | 69000 MiB |" in table
+    assert "bound 2.00 GiB" in table
+    path = tmp_path / "r.serve.json"
+    path.write_text(json.dumps(result))
+    out = tmp_path / "m.svg"
+    assert serve_bench.main(["--memory-chart", str(out), str(path)]) == 0
+    import xml.etree.ElementTree as ET
+
+    lines = ET.parse(out).getroot().findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 2

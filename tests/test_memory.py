@@ -1,0 +1,234 @@
+"""kwarm's GPU memory bound (kwarm_ext/memory.py) and what the warmup does with it: the bound
+vLLM's own numbers give, a family that shrinks its plan to fit and says so, and an out-of-memory
+inside a step that is one warning, after which the blocks it grew go back and the next step runs.
+
+No CUDA device exists here, so torch's CUDA caching allocator is the one stand-in
+(:class:`Allocator`: reserved segments, a per-process cap that raises torch's real
+``OutOfMemoryError``, empty_cache, peak statistics); the warmup runner, its steps, eager_gemm's
+capture planning and torch's exception are the real ones."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from kwarm_ext import memory, warmup
+from kwarm_ext.families import Family, Plan, Step
+
+GiB = 1 << 30
+
+
+class Allocator:
+    """torch.cuda's memory functions over one simulated device of `total` bytes."""
+
+    def __init__(self, total=80 * GiB, others=0, allocated=0, reserved=None):
+        self.total, self.others = total, others
+        self.allocated = allocated
+        self.reserved = allocated if reserved is None else reserved
+        self.fraction, self.empty_calls = 1.0, 0
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    # what torch.cuda offers
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def mem_get_info(self):
+        return self.total - self.others - self.reserved, self.total
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def memory_reserved(self):
+        return self.reserved
+
+    def max_memory_allocated(self):
+        return self.peak_allocated
+
+    def max_memory_reserved(self):
+        return self.peak_reserved
+
+    def reset_peak_memory_stats(self):
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+    def synchronize(self):
+        pass
+
+    def empty_cache(self):
+        self.empty_calls += 1
+        self.reserved = self.allocated
+
+    def set_per_process_memory_fraction(self, fraction):
+        self.fraction = fraction
+
+    def get_per_process_memory_fraction(self):
+        return self.fraction
+
+    # what a step does
+    def alloc(self, n):
+        if self.reserved - self.allocated < n:  # a new segment, under the cap (cached blocks freed first)
+            grow = n - (self.reserved - self.allocated)
+            if self.reserved + grow > self.fraction * self.total:  # torch frees its cached blocks and retries
+                self.reserved, grow = self.allocated, n
+            if self.reserved + grow > self.fraction * self.total or self.reserved + grow > self.total - self.others:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n / GiB:.2f} GiB")
+            self.reserved += grow
+        self.allocated += n
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, n):
+        self.allocated -= n
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """A simulated 80 GiB device with 60 GiB allocated (weights and KV cache) and 2 GiB cached."""
+    alloc = Allocator(allocated=60 * GiB, reserved=62 * GiB)
+    monkeypatch.setattr(memory, "_cuda", lambda: types.SimpleNamespace(cuda=alloc))
+    monkeypatch.setattr(memory, "_graphs_taken_from_kv_cache", lambda: True)
+    memory._state.clear()
+    yield alloc
+    memory._state.clear()
+
+
+def worker(**attrs):
+    return types.SimpleNamespace(**attrs)
+
+
+def test_the_bound_is_vllms_activation_headroom_and_never_more_than_the_device_has(device):
+    bound, how = memory.headroom(worker(peak_activation_memory=5 * GiB, cudagraph_memory_estimate=GiB))
+    assert bound == 5 * GiB and "activation headroom" in how
+    # after CUDA-graph capture the graphs hold their estimate: the transient part alone
+    bound, how = memory.headroom(worker(peak_activation_memory=5 * GiB, cudagraph_memory_estimate=GiB),
+                                 after_capture=True)
+    assert bound == 4 * GiB and "CUDA graphs" in how
+    # --kv-cache-memory-bytes: vLLM skipped profiling, the requested memory bounds it
+    bound, how = memory.headroom(worker(requested_memory=0.92 * 80 * GiB))
+    assert bound == int(0.92 * 80 * GiB) - 62 * GiB and "requested memory" in how
+    # a neighbour took the rest of the device: cut to what is free plus torch's cached blocks
+    device.others = 16 * GiB
+    bound, how = memory.headroom(worker(peak_activation_memory=5 * GiB))
+    assert bound == 2 * GiB + 2 * GiB and "cut to the device's free memory" in how
+
+
+def test_begin_caps_the_allocator_and_end_lifts_the_cap_and_returns_the_blocks(device):
+    bound = memory.begin(worker(peak_activation_memory=4 * GiB))
+    assert bound["headroom"] == 4 * GiB and bound["base_allocated"] == 60 * GiB
+    assert device.fraction == pytest.approx(64 / 80), "capped at the allocated bytes plus the bound"
+    device.alloc(3 * GiB)
+    assert memory.room() == GiB
+    assert memory.fits(2 * GiB, "a batch") == ("a batch needs 2.00 GiB, 1.00 GiB left of kwarm's memory bound "
+                                              "(vLLM's activation headroom 4.00 GiB)")
+    assert memory.fits(GiB, "a batch") is None
+    with pytest.raises(torch.OutOfMemoryError):
+        device.alloc(2 * GiB)
+    device.free(3 * GiB)
+    memory.end()
+    assert device.fraction == 1.0 and device.reserved == device.allocated == 60 * GiB
+    assert memory.room() is None, "no bound once the warmup ended"
+
+
+def test_a_family_with_less_memory_than_its_plan_shrinks_it_and_says_so(device, monkeypatch):
+    """eager_gemm's capture threads each keep a CUDA graph's pool of about twice the largest
+    output: under the bound it captures on fewer threads, and with less than one pool it runs the
+    GEMMs one output at a time; its mode says which."""
+    from kwarm_ext.kernels import eager_gemm, gemm_capture
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    monkeypatch.setattr(triton_compile.os, "sched_getaffinity", lambda pid: set(range(16)))
+    fake_torch = types.SimpleNamespace(cuda=device)
+    memory.begin(worker(peak_activation_memory=5 * GiB))
+    room = eager_gemm._capture_room(fake_torch, "cuda")
+    assert room == 5 * GiB
+    assert gemm_capture.capture_threads("cuda", 28487, None, room, GiB) == 2
+    assert gemm_capture.capture_threads("cuda", 28487, None, None, GiB) == 8
+
+    seen = {}
+
+    def capture(calls, order, budgeted, torch_, how, threads):
+        seen.update(how=how, threads=threads)
+        return len(order), 0, "captured into a CUDA graph, not run" if how == "cuda" else "run"
+
+    monkeypatch.setattr(gemm_capture, "capture", capture)
+    monkeypatch.setattr(eager_gemm, "_shared_inputs", lambda torch_, targets: None)
+    target = eager_gemm.Target("linear", "w 2048x2048", 1, 64, 1, prepare=lambda buffers: (lambda m: None),
+                               out_bytes=GiB)
+    details: dict = {}
+    step = eager_gemm._pass("exact", [(target, list(range(1, 2000)))], "cuda", False, details)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(inference_mode=torch.inference_mode, cuda=device))
+    labels = step()
+    assert seen == {"how": "cuda", "threads": 2}
+    assert "kwarm's memory bound leaves 5120 MiB: 2 of 8 threads" in labels[-1]
+    device.alloc(4 * GiB + GiB // 2)  # half a GiB left: not one graph's pool
+    labels = step()
+    assert seen["how"] is None and "one CUDA graph needs 2048" in labels[-1]
+
+
+def test_an_out_of_memory_inside_a_step_is_one_warning_and_the_next_step_runs(device, monkeypatch, caplog,
+                                                                                 kwarm_env):
+    kwarm_env()
+    module = types.ModuleType("kwarm_test_memory_family")
+    module.applies = lambda view: None
+    def greedy():  # its tensors die with its frame, as a real step's do
+        held = 0
+        try:
+            for _ in range(10):
+                device.alloc(GiB)
+                held += GiB
+        finally:
+            device.free(held)
+        return ["never"]
+
+    def small():
+        device.alloc(GiB // 4)
+        device.free(GiB // 4)
+        return ["small"]
+
+    module.plan = lambda view, forced: Plan([Step("greedy", "k", run=greedy), Step("small", "k", run=small)])
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(warmup.FAMILIES, "memtest", Family("memtest", module.__name__, "test"))
+    memory.begin(worker(peak_activation_memory=4 * GiB))
+    with caplog.at_level(logging.WARNING, logger="kwarm"):
+        result = warmup._run_family("memtest", types.SimpleNamespace(), __import__("kwarm_ext.config").config.get())
+    greedy_step, small_step = result.steps
+    assert greedy_step["status"] == "failed" and "OutOfMemoryError" in greedy_step["reason"]
+    assert small_step["status"] == "ran" and small_step["variants"] == ["small"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "memtest.greedy" in warnings[0] and "OutOfMemoryError" in warnings[0]
+    assert greedy_step["memory"]["peak_allocated"] <= 64 * GiB, "never above the bound"
+    assert result.memory["step"] == "greedy"
+    assert device.empty_calls == 1, "the failed step's blocks went back before the next step"
+    assert device.reserved == 60 * GiB + GiB // 4, "the next step grew from there, not from the failed one's peak"
+    memory.end()
+    assert device.reserved == device.allocated == 60 * GiB, "the allocator's extra blocks went back"
+    assert device.fraction == 1.0
+
+
+def test_a_family_that_grew_the_allocator_returns_its_blocks_unless_they_are_its_product(device, monkeypatch,
+                                                                                          kwarm_env):
+    kwarm_env()
+    module = types.ModuleType("kwarm_test_memory_family2")
+    module.applies = lambda view: None
+
+    def grow():
+        device.alloc(3 * GiB)
+        device.free(3 * GiB)
+        return ["grew"]
+
+    module.plan = lambda view, forced: [Step("grow", "k", run=grow)]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    from kwarm_ext import config
+
+    monkeypatch.setitem(warmup.FAMILIES, "grower", Family("grower", module.__name__, "test"))
+    result = warmup._run_family("grower", types.SimpleNamespace(), config.get())
+    assert result.steps[0]["memory"]["peak_reserved"] == 63 * GiB
+    assert device.reserved == 60 * GiB, "returned after the family"
+    monkeypatch.setitem(warmup.FAMILIES, "grower", Family("grower", module.__name__, "test", keeps_memory=True))
+    warmup._run_family("grower", types.SimpleNamespace(), config.get())
+    assert device.reserved == 63 * GiB, "the caching allocator family's blocks are what it warms"
