@@ -745,11 +745,11 @@ def run(args) -> int:
                 with contextlib.ExitStack() as stack:
                     sampler = stack.enter_context(GpuMemory(t_group)) if args.one_at_a_time else None
                     with sync_lock(args.sync_lock, exclusive=False) as waited_start:
-                        started = start_phase(group, label, min(args.start_timeout, deadline - time.time()), log)
-                    phase_rec["servers"].update(started)
+                        came_up = start_phase(group, label, min(args.start_timeout, deadline - time.time()), log)
+                    phase_rec["servers"].update(came_up)
                     phase_rec["lock_wait_s"]["start"] = round(waited_start, 1)
                     save()
-                    ready = [s for s in group if started[s.name]["ready"]]
+                    ready = [s for s in group if came_up[s.name]["ready"]]
                     phase_rec["start_s"] += round(time.time() - t_group, 1)
                     t_requests = time.time()
                     if ready:
@@ -757,10 +757,10 @@ def run(args) -> int:
                             phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
                             measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
                         for sname, rec in measured.items():
-                            started[sname].update(rec)
+                            came_up[sname].update(rec)
                         for s in ready:  # kwarm's report is complete once warmup (after capture too) is done
                             if s.name == "kwarm":
-                                started[s.name].update(kwarm_report(s.root / "kwarm-report.json"))
+                                came_up[s.name].update(kwarm_report(s.root / "kwarm-report.json"))
                                 if (s.root / "kwarm-report.json").exists():
                                     shutil.copy(s.root / "kwarm-report.json", out_dir / f"{name}.kwarm-report.{label}.json")
                     phase_rec["requests_s"] += round(time.time() - t_requests, 1)
@@ -769,9 +769,9 @@ def run(args) -> int:
                         shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
                 if sampler is not None:
                     for s in group:
-                        started[s.name].update(sampler.summary())
-                        log(f"{label} {s.name}: peak GPU memory {started[s.name].get('peak_gpu_mib')} MiB, "
-                            f"KV cache {started[s.name].get('kv_cache_tokens')} tokens")
+                        came_up[s.name].update(sampler.summary())
+                        log(f"{label} {s.name}: peak GPU memory {came_up[s.name].get('peak_gpu_mib')} MiB, "
+                            f"KV cache {came_up[s.name].get('kv_cache_tokens')} tokens")
                 save()
     finally:
         for s in servers:

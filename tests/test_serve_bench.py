@@ -355,3 +355,23 @@ def test_production_memory_mode_records_kv_tokens_peak_memory_and_draws_the_curv
 
     lines = ET.parse(out).getroot().findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 2
+
+
+def test_one_at_a_time_runs_each_server_alone_and_saves_the_result(tmp_path, monkeypatch):
+    """The whole of ``run`` in --one-at-a-time mode against stand-in servers: plain starts, answers
+    and stops before kwarm starts; the result file holds both, with their memory samples."""
+    monkeypatch.setattr(serve_bench, "serve_command", lambda model_dir, port, args, kwarm: [
+        sys.executable, str(STANDIN), str(port), str(model_dir), "0.2"])
+    monkeypatch.setattr(serve_bench, "gpu_used_mib", lambda: 1234)
+    out = tmp_path / "out"
+    code = serve_bench.main([str(TINY), "--out", str(out), "--work", str(tmp_path / "work"), "--one-at-a-time",
+                             "--restarts", "0", "--port", str(_free_port()), "--gpu-util", "0.92", "--kv-bytes=",
+                             "--share-flashinfer-cache", "--budget", "300"])
+    assert code == 0
+    result = json.loads((out / "tiny-qwen3-next.serve.json").read_text())
+    servers = result["phases"][0]["servers"]
+    assert set(servers) == {"plain", "kwarm"}
+    for s in servers.values():
+        assert s["ready"] and s["peak_gpu_mib"] == 1234 and len(s["requests"]) == 2 * len(serve_bench.REQUEST_KINDS)
+    assert all(s["requests"][-1]["t1"] < servers["kwarm"]["requests"][0]["t0"] for s in [servers["plain"]])
+    assert result["args"]["kv_bytes"] == "" and "--kv-cache-memory-bytes" not in result["commands"]["plain"]
