@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -591,4 +592,96 @@ def test_5_the_bounded_pool_fails_a_late_job_at_once_and_does_not_wait_for_it():
         slow.result()
     assert quick.result() == "kernel"
     assert elapsed < 10, "the block did not wait for the late job"
+    release.set()
+
+
+# ---------------------------------------------------------------------------- issue 59, third round
+
+def test_59_2_systemexit_in_a_step_is_one_warning_and_keyboardinterrupt_still_stops(kwarm_log):
+    """Hole 2: kwarm's guards caught Exception only, and a script a manifest made kwarm import called
+    ``sys.exit(2)``: the worker ended. A SystemExit in a step is contained like an error; a real
+    Ctrl-C (KeyboardInterrupt) still stops the engine."""
+    from kwarm_ext.log import fail_open
+
+    def exits():
+        sys.exit(2)
+
+    with pytest.raises(warmup.StepFailed, match="SystemExit: 2"):
+        warmup.guarded("replay: flashinfer", exits)
+    assert kwarm_log.messages() == ["kwarm: replay: flashinfer failed, skipped: SystemExit: 2"]
+    with pytest.raises(KeyboardInterrupt):
+        with fail_open("a step"):
+            raise KeyboardInterrupt
+    assert len(kwarm_log.messages()) == 1, "a Ctrl-C is no warning: it propagates"
+
+
+def test_59_2_a_kernel_module_that_exits_as_it_is_imported_is_unresolvable(tmp_path, monkeypatch):
+    pkg = tmp_path / "exitpkg59"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "k.py").write_text("import sys, triton\n@triton.jit\ndef kernel(x):\n    pass\nsys.exit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(triton_compat.Unresolvable, match="cannot import exitpkg59.k: SystemExit: 2"):
+        triton_compat.resolve("exitpkg59.k", "kernel")
+
+
+def test_59_4_the_whole_replay_is_bounded_and_what_is_left_is_one_line(tmp_path, kwarm_log, fake_driver, monkeypatch):
+    """Hole 4: the bound on one entry did not bound the start (40 entries that never finish, 0.5 s, 2
+    threads: 10.1 s; with Triton 3.5's sequential compile, no bound at all). The replay's total bound
+    (KWARM_REPLAY_LIMIT) ends the step at its deadline whatever the compile path; a compile that never
+    returns (a stand-in for Triton's, in the compile loop's own thread) is left behind, unwaited."""
+    from kwarm_ext.surfaces.triton import preload as triton_preload
+
+    release = threading.Event()
+    started = []
+    monkeypatch.setattr(triton_preload, "preload", lambda job: started.append(job) or release.wait(30))
+    path = write(tmp_path / "m.json", [entry(block=b) for b in range(16, 56)])
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    assert len(state.jobs) == 40
+    state.limit_s, state.threads = 0.5, 2
+    t0 = time.monotonic()
+    assert replay.compile_entries(state) == []
+    assert time.monotonic() - t0 < 3, "the replay's deadline ended the step"
+    assert len(started) == 1 and state.out_of_time == 40 and {s.kind for s in state.skipped} == {"out of time"}
+    assert kwarm_log.messages() == ["kwarm: replay reached its total bound of 0.5 s (KWARM_REPLAY_LIMIT): "
+                                    "40 Triton entries left to the requests"]
+    assert "40 skipped (out of time: 40)" in state.summary() and state.details()["out_of_time"] == 40
+    release.set()
+    assert config.parse({"KWARM_REPLAY_LIMIT": "5"}, known_families=()).replay_limit == 5.0
+    assert config.parse({}, known_families=()).replay_limit == config.DEFAULT_REPLAY_LIMIT == 600.0
+    assert config.parse({"KWARM_REPLAY_LIMIT": "-1"}, known_families=()).problems == (
+        "KWARM_REPLAY_LIMIT='-1' is invalid (expected a number of seconds from 0 to 86400); using the default '600'",)
+
+
+def test_59_4_the_bounded_pool_fails_every_job_at_the_deadline_and_leaves_few_threads_behind():
+    """The executor behind both bounds, on Triton's real AsyncCompileMode: at the deadline every job not
+    finished fails with OutOfTime and none is started after it; past the bound on one entry, at most
+    2 x threads workers are left behind (40 slow entries had left 42 threads), the rest fail at once."""
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    release = threading.Event()
+
+    def slow():
+        release.wait(30)
+        return "late"
+
+    pool = triton_compile.BoundedCompiles(2, 30.0, deadline=time.monotonic() + 0.3)
+    t0 = time.perf_counter()
+    with triton.AsyncCompileMode(pool, ignore_errors=True) as mode:
+        futures = [mode.submit(f"slow{i}", slow, lambda kernel: None) for i in range(5)]
+    pool.shutdown()
+    assert time.perf_counter() - t0 < 5
+    for future in futures:
+        with pytest.raises(triton_compile.OutOfTime):
+            future.result()
+
+    pool = triton_compile.BoundedCompiles(2, 0.05)
+    with triton.AsyncCompileMode(pool, ignore_errors=True) as mode:
+        futures = [mode.submit(f"slow{i}", slow, lambda kernel: None) for i in range(40)]
+    pool.shutdown()
+    assert pool.abandoned <= 4, pool.abandoned
+    errors = [type(f.future.exception()) for f in futures]
+    assert set(errors) == {triton_compile.CompileTimedOut, triton_compile.OutOfTime}
+    assert errors.count(triton_compile.CompileTimedOut) <= 4
+    assert isinstance(triton_compile.OutOfTime(), Exception) and not isinstance(triton_compile.OutOfTime(), KeyboardInterrupt)
     release.set()

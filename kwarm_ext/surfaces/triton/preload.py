@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 
+from kwarm_ext.log import CONTAINED
 from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.surfaces.triton import compile as triton_compile
 
@@ -145,7 +146,7 @@ def settle(job: PreloadJob, result) -> tuple[Any, str | None]:
             kernel = result.result()
         except triton_compile.CompileTimedOut as exc:
             return None, f"{exc}: skipped, the compile goes on unwaited (the bound on one entry)"
-        except Exception as exc:
+        except CONTAINED as exc:
             return None, f"compile failed: {type(exc).__name__}: {exc}"
         if kernel is None:
             return None, "compile failed"
