@@ -132,24 +132,33 @@ class Manifest:
     token_counts: list = dataclasses.field(default_factory=list)  # step sizes seen, first seen first
     # the other JIT surfaces' items (kwarm_ext/surfaces/): name -> {"version": str | None, "items": [dict]}
     surfaces: dict = dataclasses.field(default_factory=dict)
+    # what merges left out, one line each (items past MAX_ENTRIES, another library version's items):
+    # a save says it instead of dropping them silently (issue 59)
+    left_out: list = dataclasses.field(default_factory=list)
 
     def merge(self, entries=(), autotune=(), token_counts=(), surfaces=None) -> int:
-        """Add what is new (by identity; a key's first recorded choice wins; at most
-        MAX_TOKEN_COUNTS step sizes, the first seen kept; a surface's items by its key, those of
-        another library version replaced). Returns how many."""
+        """Add what is new (by identity; a key's first recorded choice wins; at most MAX_ENTRIES
+        entries and as many autotune choices, the first kept; at most MAX_TOKEN_COUNTS step sizes,
+        the first seen kept; a surface's items by its key, those of another library version
+        replaced). What is left out is said in ``left_out``. Returns how many were added."""
         added = self._merge_surfaces(surfaces or {})
         known = set(self.token_counts)
         fresh = [m for m in dict.fromkeys(token_counts) if m not in known]
         fresh = fresh[:max(0, MAX_TOKEN_COUNTS - len(self.token_counts))]
         self.token_counts += fresh
         added += len(fresh)
-        for mine, theirs in ((self.entries, entries), (self.autotune, autotune)):
-            seen = {item.identity for item in mine}
+        for field, mine, theirs in (("entries", self.entries, entries), ("autotune choices", self.autotune, autotune)):
+            seen, over = {item.identity for item in mine}, 0
             for item in theirs:
                 if item.identity not in seen:
+                    if len(mine) >= MAX_ENTRIES:  # what load keeps: a save never writes what the next load drops
+                        over += 1
+                        continue
                     mine.append(item)
                     seen.add(item.identity)
                     added += 1
+            if over:
+                self.left_out.append(f"{over} new {field} left out: a manifest keeps at most {MAX_ENTRIES}")
         return added
 
     def _merge_surfaces(self, surfaces: dict) -> int:
@@ -158,15 +167,24 @@ class Manifest:
         added = 0
         for name, (version, items) in surfaces.items():
             section = self.surfaces.get(name)
+            if section is not None and section["version"] != version and section["items"]:
+                self.left_out.append(f"{len(section['items'])} {name} items recorded with {name} "
+                                     f"{printable(section['version'], 40)} dropped: replaced by those of {printable(version, 40)}")
             if section is None or section["version"] != version:
                 section = self.surfaces[name] = {"version": version, "items": []}
             key = registry.get(name).key
             seen = {key(item) for item in section["items"]}
+            over = 0
             for item in items:
-                if key(item) not in seen and len(section["items"]) < registry.MAX_ITEMS:
+                if key(item) not in seen:
+                    if len(section["items"]) >= registry.MAX_ITEMS:
+                        over += 1
+                        continue
                     section["items"].append(item)
                     seen.add(key(item))
                     added += 1
+            if over:
+                self.left_out.append(f"{over} new {name} items left out: a manifest keeps at most {registry.MAX_ITEMS}")
         return added
 
     def as_json(self) -> dict:
@@ -254,11 +272,17 @@ def printable(text, limit: int = 200) -> str:
     return out if len(out) <= limit else out[:limit] + "..."
 
 
+def containers(text: str) -> int:
+    """An upper bound of the JSON objects and arrays in `text` (strings may hold braces), counted
+    without parsing: what load checks against MAX_CONTAINERS, and save before writing."""
+    return text.count("{") + text.count("[")
+
+
 def _document(text: str) -> dict:
     """The manifest's JSON object, its format and version checked; raises :class:`BadManifest`."""
-    containers = text.count("{") + text.count("[")  # an upper bound (strings may hold them): no parse yet
-    if containers > MAX_CONTAINERS:
-        raise BadManifest(f"{containers} JSON objects and arrays, more than a manifest holds ({MAX_CONTAINERS})")
+    count = containers(text)
+    if count > MAX_CONTAINERS:
+        raise BadManifest(f"{count} JSON objects and arrays, more than a manifest holds ({MAX_CONTAINERS})")
     try:
         data = json.loads(text)
     except RecursionError:

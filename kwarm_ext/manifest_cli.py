@@ -257,6 +257,9 @@ def merge(paths: list, output: str) -> int:
         return 2
     if result.note:
         _out(f"{output}: {result.note}")
+    left_out = list(dict.fromkeys(combined.left_out + list(result.left_out)))
+    for line in left_out:
+        _out(f"{output}: {line}")
     _out(f"merged {len(inputs)} manifests into {result.path}: {result.total} items "
          f"({result.added - result.new_step_sizes} new), {result.step_sizes} step sizes ({result.new_step_sizes} new)")
-    return 1 if refused else 0
+    return 1 if refused or left_out else 0

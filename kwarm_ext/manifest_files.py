@@ -131,9 +131,10 @@ class SaveResult:
     path: str
     added: int
     total: int
-    note: str | None = None  # why an existing file was replaced rather than merged
+    note: str | None = None  # why an existing file was replaced (or kept aside) rather than merged
     step_sizes: int = 0  # learned step sizes in the file (not in `total`)
     new_step_sizes: int = 0  # of them, added by this save (in `added`)
+    left_out: tuple = ()  # what the merge did not keep, one line each (Manifest.left_out)
 
 
 def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surfaces=None) -> SaveResult:
@@ -142,8 +143,11 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surf
 
     Several TP ranks and processes may call this at once: the read-merge-write runs under an
     exclusive ``flock`` on ``<path>.lock``, and readers only ever see a complete file. An
-    existing file that is unreadable, untrusted or stamped for another Triton/GPU is
-    replaced (and said so in ``note``), never merged."""
+    existing file stamped for another Triton/GPU is replaced; one that cannot be read (not
+    valid, past a bound, untrusted) is first kept aside as ``<path>.unreadable.<time>`` (issue 59:
+    a learner replaced the 2,200 entries it could not read with the one it had learned); both
+    are said in ``note``, never merged. What the merge leaves out (past MAX_ENTRIES, another
+    library version's items) is in ``left_out``."""
     directory = os.path.dirname(os.path.abspath(path))
     check_writable_target(path)  # before the lock: no <dir>.lock beside a directory
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -156,7 +160,7 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surf
         if added or note or not os.path.exists(path):
             _write_atomic(path, current.as_json())
     return SaveResult(path, added, len(current.entries) + len(current.autotune) + current.surface_items(), note,
-                      len(current.token_counts), len(current.token_counts) - counts_before)
+                      len(current.token_counts), len(current.token_counts) - counts_before, tuple(current.left_out))
 
 
 def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
@@ -165,12 +169,26 @@ def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
     except FileNotFoundError:
         return Manifest(stamp), None
     except BadManifest as exc:
-        return Manifest(stamp), f"replaced an unusable manifest ({exc})"
+        aside = _keep_aside(path)
+        return Manifest(stamp), f"could not read the manifest ({exc}); kept it aside as {printable(aside)} and started a new one"
     why = current.stamp.incompatibility(stamp)
     if why:
         return Manifest(stamp), f"replaced a manifest {why}"
     current.stamp = stamp
     return current, None
+
+
+def _keep_aside(path: str) -> str:
+    """Rename the unreadable manifest at `path` to a free ``<path>.unreadable.<time>`` beside it
+    (the caller holds the lock; check_writable_target passed: a regular file of this user), so
+    that no save ever replaces what it could not read. Returns the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for n in range(100):
+        aside = f"{path}.unreadable.{stamp}" + (f".{n}" if n else "")
+        if not os.path.lexists(aside):
+            os.rename(path, aside)
+            return aside
+    raise BadManifest(f"cannot keep the unreadable {printable(path)} aside: too many kept already; not saved")
 
 
 def _dumps(obj: dict) -> str:
@@ -224,13 +242,15 @@ def _locked(lock_path: str):
 
 
 def _remove_stale_temporaries(path: str) -> None:
-    """Delete this user's ``.<name>.*.tmp`` files beside `path`: under the lock no save is
-    writing one, so they are what a killed save left."""
+    """Delete this user's ``.<name>.<random>.tmp`` files beside `path` (what :func:`write_atomic`
+    names them: no dot in ``<random>``): under the lock no save is writing one, so they are what a
+    killed save left. Another file's temporary (``.<name>.report.<random>.tmp`` of a report
+    ``<name>.report`` beside it, written without this lock) is not one of them (issue 59)."""
     directory, name = os.path.split(os.path.abspath(path))
-    prefix = f".{name}."
+    mine = re.compile(re.escape(f".{name}.") + r"[A-Za-z0-9_]+\.tmp")
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
+            if mine.fullmatch(entry.name):
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
@@ -245,6 +265,10 @@ def _write_atomic(path: str, obj: dict) -> None:
     if size > manifest.MAX_BYTES:
         raise BadManifest(f"not written: it would be {size / (1 << 20):.1f} MiB, more than the "
                           f"{manifest.MAX_BYTES >> 20} MiB a manifest may be read at")
+    count = manifest.containers(text)
+    if count > manifest.MAX_CONTAINERS:  # issue 59: 2,200 entries of a 60-argument kernel held 420,205
+        raise BadManifest(f"not written: it would hold {count} JSON objects and arrays, more than the "
+                          f"{manifest.MAX_CONTAINERS} a manifest may be read with")
     write_atomic(path, text)
 
 

@@ -363,9 +363,12 @@ def test_save_replaces_an_incompatible_or_unusable_file(tmp_path):
     result = manifest_files.save(str(path), STAMP, [entry(block=64)])
     assert "replaced a manifest recorded with Triton 3.4.0" in result.note and result.total == 1
     path.chmod(0o666)
+    before = path.read_text()
     result = manifest_files.save(str(path), STAMP, [entry(block=32)])
-    assert "replaced an unusable manifest (refused: writable by group and others" in result.note
+    assert "could not read the manifest (refused: writable by group and others" in result.note
     assert [e.key for e in manifest_files.load(str(path)).entries] == [entry(block=32).key]
+    aside = [p for p in tmp_path.iterdir() if ".unreadable." in p.name]
+    assert len(aside) == 1 and aside[0].read_text() == before and str(aside[0]) in result.note, "kept, not replaced"
 
 
 WRITER = """

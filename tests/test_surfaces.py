@@ -173,8 +173,23 @@ def test_items_of_a_new_flashinfer_version_replace_the_old_ones(tmp_path):
     old = {"getter": "flashinfer.a.get_x_module", "args": [1], "module": "x1"}
     new = {"getter": "flashinfer.a.get_x_module", "args": [2], "module": "x2"}
     manifest_files.save(path, STAMP, surfaces={"flashinfer": ("0.6.12", [old])})
-    manifest_files.save(path, STAMP, surfaces={"flashinfer": ("0.7.2", [new])})
+    result = manifest_files.save(path, STAMP, surfaces={"flashinfer": ("0.7.2", [new])})
     assert manifest_files.load(path).surfaces == {"flashinfer": {"version": "0.7.2", "items": [new]}}
+    # issue 59, hole 9: said, not dropped silently
+    assert result.left_out == ("1 flashinfer items recorded with flashinfer 0.6.12 dropped: replaced by those of 0.7.2",)
+
+
+def test_59_9_merge_says_what_another_flashinfer_versions_items_lost(tmp_path, capsys):
+    """Hole 9: merging a manifest of another FlashInfer version printed "1 items" and exit status 0."""
+    from kwarm_ext import manifest_cli
+
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    manifest_files.save(a, STAMP, surfaces={"flashinfer": ("0.6.12", [
+        _item("flashinfer.a.get_x_module", "x", [n]) for n in range(10)])})
+    manifest_files.save(b, STAMP, surfaces={"flashinfer": ("0.7.2", [_item("flashinfer.a.get_x_module", "y")])})
+    assert manifest_cli.merge([a, b], str(tmp_path / "out.json")) == 1
+    out = capsys.readouterr().out
+    assert "10 flashinfer items recorded with flashinfer 0.6.12 dropped: replaced by those of 0.7.2" in out, out
 
 
 # ---------------------------------------------------------------------------- issue 59: untrusted items, third round

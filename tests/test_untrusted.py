@@ -685,3 +685,72 @@ def test_59_4_the_bounded_pool_fails_every_job_at_the_deadline_and_leaves_few_th
     assert errors.count(triton_compile.CompileTimedOut) <= 4
     assert isinstance(triton_compile.OutOfTime(), Exception) and not isinstance(triton_compile.OutOfTime(), KeyboardInterrupt)
     release.set()
+
+
+def test_59_3_save_never_writes_what_load_refuses_and_a_learner_keeps_an_unreadable_file_aside(tmp_path, monkeypatch):
+    """Hole 3: saving checked bytes, not the container count load enforces: a learned file of 420,205
+    JSON objects and arrays (cap 400,000) was refused by the next load, and the next save replaced its
+    2,200 entries with the 1 that run learned."""
+    path = tmp_path / "m.json"
+    manifest_files.save(str(path), STAMP, [entry(block=16)])
+    before = path.read_text()
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", manifest.containers(before) + 5)  # one more entry does not fit
+    with pytest.raises(BadManifest, match=r"not written: it would hold \d+ JSON objects and arrays, more than the \d+"):
+        manifest_files.save(str(path), STAMP, [entry(block=32)])
+    assert path.read_text() == before and len(manifest_files.load(str(path)).entries) == 1
+
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", manifest.containers(before) - 1)  # the file no longer loads
+    with pytest.raises(BadManifest, match="JSON objects and arrays, more than a manifest holds"):
+        manifest_files.load(str(path))
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", 400_000)
+    path.write_text(before.replace('"entries": [', '"entries": [[', 1))  # a file this kwarm cannot read
+    unreadable = path.read_text()
+    result = manifest_files.save(str(path), STAMP, [entry(block=64)])
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("m.json.unreadable.")]
+    assert len(aside) == 1 and aside[0].read_text() == unreadable, "kept, not replaced"
+    assert result.note.startswith("could not read the manifest (not valid JSON") and \
+        f"kept it aside as {aside[0]} and started a new one" in result.note
+    assert [e.key for e in manifest_files.load(str(path)).entries] == [entry(block=64).key]
+
+
+def test_59_3_a_learner_says_it_kept_the_unreadable_manifest_aside(tmp_path, kwarm_log):
+    from kwarm_ext.surfaces.triton import learn
+
+    path = tmp_path / "m.json"
+    path.write_text("{not json")
+    path.chmod(0o600)
+    learner = learn.Learner(str(path), STAMP, learn.Recorder(ALLOWED), 0)
+    learner.recorder.give_back([entry(block=32)])
+    learner.save_quietly("exit")
+    warnings = kwarm_log.messages()
+    assert len(warnings) == 1 and "could not read the manifest (not valid JSON" in warnings[0] \
+        and "kept it aside as" in warnings[0], warnings
+    assert [p.read_text() for p in tmp_path.iterdir() if ".unreadable." in p.name] == ["{not json"]
+
+
+def test_59_7_the_entry_cap_is_kept_on_save_and_said(tmp_path, monkeypatch, capsys):
+    """Hole 7: entries past MAX_ENTRIES were saved, then dropped silently by the next load."""
+    from kwarm_ext import manifest_cli
+
+    monkeypatch.setattr(manifest, "MAX_ENTRIES", 3)
+    path = tmp_path / "m.json"
+    result = manifest_files.save(str(path), STAMP, [entry(block=b) for b in (16, 32, 64, 128, 256)])
+    assert result.added == 3 and result.left_out == ("2 new entries left out: a manifest keeps at most 3",)
+    data = manifest_files.load(str(path))
+    assert len(data.entries) == 3 and data.problems == []
+    other = write(tmp_path / "o.json", [entry(block=512)], mode=0o600)
+    assert manifest_cli.merge([str(path), str(other)], str(tmp_path / "out.json")) == 1
+    assert "1 new entries left out: a manifest keeps at most 3" in capsys.readouterr().out
+
+
+def test_59_12_a_save_leaves_other_files_temporaries_alone(tmp_path):
+    """Hole 12: the cleanup of a killed save's temporaries of m.json also deleted those of a report
+    m.json.report written beside it (443 of 781 report writes failed)."""
+    report_tmp = tmp_path / ".m.json.report.k3j_x9a2.tmp"  # what write_atomic names the report's
+    report_tmp.write_text("")
+    other = tmp_path / ".m.json.x.abcd1234.tmp"
+    other.write_text("")
+    stale = tmp_path / ".m.json.ab12cd_3.tmp"
+    stale.write_text("")
+    manifest_files.save(str(tmp_path / "m.json"), STAMP, [entry()])
+    assert report_tmp.exists() and other.exists() and not stale.exists()

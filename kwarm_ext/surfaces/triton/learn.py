@@ -209,6 +209,8 @@ class Learner:
             self.saves += 1
         if result.note:
             logger.warning("kwarm: manifest %s: %s", result.path, result.note)
+        if result.left_out:
+            logger.warning("kwarm: manifest %s: %s", result.path, "; ".join(result.left_out))
         logger.info("kwarm: learned %d new (%d in the manifest, %s save) -> %s",
                     result.added, result.total, why, result.path)
         return result
