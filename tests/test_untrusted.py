@@ -754,3 +754,13 @@ def test_59_12_a_save_leaves_other_files_temporaries_alone(tmp_path):
     stale.write_text("")
     manifest_files.save(str(tmp_path / "m.json"), STAMP, [entry()])
     assert report_tmp.exists() and other.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize("var, value", [("KWARM_WARMUPS", "runner,x\nWARNING kwarm: forged"),
+                                        ("KWARM_ALLOW_MODULES", "vllm.,x\nWARNING kwarm: forged\x1b[2J")])
+def test_59_10_a_newline_in_a_setting_forges_no_log_line(var, value):
+    """Hole 10: the names a problem line quotes from KWARM_WARMUPS or KWARM_ALLOW_MODULES reached the
+    log raw; a newline in them printed a line of its own."""
+    problems = config.parse({var: value}, known_families=("runner",)).problems
+    assert len(problems) == 1 and "forged" in problems[0], problems
+    assert not any(ch in problems[0] for ch in "\n\r\x1b"), repr(problems[0])
