@@ -764,3 +764,43 @@ def test_59_10_a_newline_in_a_setting_forges_no_log_line(var, value):
     problems = config.parse({var: value}, known_families=("runner",)).problems
     assert len(problems) == 1 and "forged" in problems[0], problems
     assert not any(ch in problems[0] for ch in "\n\r\x1b"), repr(problems[0])
+
+
+def test_59_14_kwarm_doctor_prints_cache_file_names_escaped(tmp_path):
+    """Hole 14: ``kwarm doctor`` printed the names of the files in kwarm's cache folder raw."""
+    folder = tmp_path / "xdg" / "kwarm"
+    folder.mkdir(parents=True)
+    (folder / "m\x1b[2J\x07.json").write_text("{}")
+    proc = kwarm_cli("doctor", timeout=300, env=clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "m\\x1b[2J\\x07.json" in proc.stdout and "\x1b" not in proc.stdout and "\x07" not in proc.stdout
+
+
+def test_59_14_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """``kwarm manifest show | head``: the command ended in a BrokenPipeError traceback."""
+    path = write(tmp_path / "m.json", [entry(block=b) for b in range(16, 2016)], mode=0o600)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kwarm_ext import cli; sys.exit(cli.entry())",
+                             "manifest", "show", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd="/", env=clean_env())
+    assert proc.stdout.readline().decode().strip() == str(path)
+    proc.stdout.close()  # what head does after its lines
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and stderr == "", stderr
+
+
+def test_59_14_kwarm_run_from_a_source_checkout_puts_only_sitecustomize_first(tmp_path, monkeypatch):
+    """With an editable install ``kwarm run`` put the repository root first on PYTHONPATH: its setup.py
+    shadowed a user's ``import setup``. The bootstrap folder holds kwarm's sitecustomize.py alone."""
+    from kwarm_ext import activation
+
+    checkout = tmp_path / "repo"
+    (checkout / "kwarm_ext").mkdir(parents=True)
+    (checkout / "sitecustomize.py").write_text("# kwarm's bootstrap\n")
+    (checkout / "setup.py").write_text("raise SystemExit('the checkout was on the path')\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    boot = activation.bootstrap_dir(str(checkout / "kwarm_ext"))
+    assert boot == str(tmp_path / "xdg" / "kwarm" / "bootstrap") and os.listdir(boot) == ["sitecustomize.py"]
+    assert Path(boot, "sitecustomize.py").read_text() == "# kwarm's bootstrap\n"
+    assert activation.bootstrap_dir(str(checkout / "kwarm_ext")) == boot, "the same folder every time"
+    installed = activation.bootstrap_dir()  # the installed kwarm (tests/run.sh installs it): its own folder
+    assert installed.endswith(os.path.join("kwarm_ext", "_bootstrap"))
