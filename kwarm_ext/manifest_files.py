@@ -32,10 +32,68 @@ def untrusted_reason(st: os.stat_result) -> str | None:
     return None
 
 
+def foreign_link(path: str) -> str | None:
+    """The first symbolic link on the way to `path` (a folder of it or the file) owned by another
+    user than this one or root, else None. Such a link was planted by someone who can write a
+    shared folder (issue 59: followed for the manifest and for the report's folder); a link of
+    this user's or root's is followed. Links are resolved as the kernel does, at most 40."""
+    todo = [part for part in os.path.abspath(path).split(os.sep) if part]
+    current, hops = os.sep, 0
+    while todo:
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        step = os.path.join(current, part)
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return None  # the rest does not exist yet: nothing to follow
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_uid not in (os.geteuid(), 0):
+            return step
+        hops += 1
+        if hops > 40:
+            return None  # ELOOP: the open fails on its own
+        target = os.readlink(step)
+        todo[:0] = [p for p in target.split(os.sep) if p]
+        if os.path.isabs(target):
+            current = os.sep
+    return None
+
+
+def shared_folder(path: str) -> str | None:
+    """Why the folder `path` is in can be written by others (None when it cannot): anyone there
+    can plant a file or a link under a name kwarm will use, or (without the sticky bit) replace one."""
+    folder = os.path.dirname(os.path.realpath(path))
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    who = [w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if not who:
+        return None
+    sticky = " (sticky: others cannot replace your files, but can plant their own)" if st.st_mode & stat.S_ISVTX else ""
+    return f"its folder {printable(folder)} is writable by {' and '.join(who)}{sticky}"
+
+
+def _refuse_foreign_link(path: str, what: str) -> None:
+    link = foreign_link(path)
+    if link is not None:
+        raise BadManifest(f"refused to {what} {printable(path)}: {printable(link)} is a symbolic link of another "
+                          f"user (uid {os.lstat(link).st_uid})")
+
+
 def read_trusted(path: str) -> str:
     """The file's text, if it passes :func:`untrusted_reason` (checked before opening, so that
     no FIFO or device is ever opened, and again on the opened file, so that a swap between the
-    check and the read is impossible). FileNotFoundError passes through."""
+    check and the read is impossible), and not through another user's symbolic link
+    (:func:`foreign_link`). FileNotFoundError passes through."""
+    _refuse_foreign_link(path, "read")
     fd = _open_checked(path)
     reason = untrusted_reason(os.fstat(fd))
     if reason:
@@ -95,7 +153,9 @@ def _open_checked(path: str) -> int:
 
 def check_writable_target(path: str) -> None:
     """Raise :class:`BadManifest` unless `path` is absent or a regular file this user owns:
-    a save never replaces a device, a FIFO, a directory, a symbolic link or another user's file."""
+    a save never replaces a device, a FIFO, a directory, a symbolic link or another user's file,
+    nor writes through another user's symbolic link to a folder (:func:`foreign_link`)."""
+    _refuse_foreign_link(path, "write")
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -804,3 +804,39 @@ def test_59_14_kwarm_run_from_a_source_checkout_puts_only_sitecustomize_first(tm
     assert activation.bootstrap_dir(str(checkout / "kwarm_ext")) == boot, "the same folder every time"
     installed = activation.bootstrap_dir()  # the installed kwarm (tests/run.sh installs it): its own folder
     assert installed.endswith(os.path.join("kwarm_ext", "_bootstrap"))
+
+
+@needs_root
+def test_59_11_another_users_link_in_a_shared_folder_is_not_followed(tmp_path, kwarm_log, fake_driver):
+    """Hole 11: a link planted by another user in a shared folder was followed for the manifest and for
+    the report's folder, and nothing said the folder was writable by others."""
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)
+    victim.mkdir(mode=0o700)
+    target = write(victim / "m.json", [entry()], mode=0o600)
+    planted = shared / "m.json"
+    os.symlink(target, planted)
+    os.lchown(planted, 65534, 65534)
+    with pytest.raises(BadManifest, match=f"refused to read {planted}: {planted} is a symbolic link of another user"):
+        manifest_files.load(str(planted))
+    state = replay.prepare(str(planted), STAMP, ALLOWED)
+    assert state.jobs == [] and "a symbolic link of another user (uid 65534)" in state.refused
+    os.symlink(victim, shared / "reports")  # the report's folder, through another user's link
+    os.lchown(shared / "reports", 65534, 65534)
+    with pytest.raises(BadManifest, match="refused to write .*reports is a symbolic link of another user"):
+        warmup.write_report({"ok": 1}, str(shared / "reports" / "r.json"), 0)
+    with pytest.raises(BadManifest, match="symbolic link of another user"):
+        manifest_files.save(str(shared / "reports" / "m2.json"), STAMP, [entry()])
+    assert sorted(os.listdir(victim)) == ["m.json"], "nothing written through the links"
+    mine = tmp_path / "mine.json"
+    os.symlink(target, mine)  # a link of this user's is followed
+    assert len(manifest_files.load(str(mine)).entries) == 1
+
+    kwarm_log.records.clear()
+    in_shared = write(shared / "own.json", [entry()], mode=0o600)
+    state = replay.prepare(str(in_shared), STAMP, ALLOWED)
+    assert state.refused is None and len(state.jobs) == 1
+    assert kwarm_log.messages() == [f"kwarm: manifest {in_shared}: its folder {shared} is writable by group and others "
+                                    "(sticky: others cannot replace your files, but can plant their own); keep "
+                                    "manifests in a folder only you can write"]

@@ -279,6 +279,10 @@ def begin(view) -> Learner:
     if learner.interval > 0:
         threading.Thread(target=learner.run_periodically, name="kwarm-learn", daemon=True).start()
     logger.info("kwarm: learning: compilations after kwarm's warmup go to %s", path)
+    shared = manifest_files.shared_folder(path)
+    if shared:
+        logger.warning("kwarm: learning into %s: %s; keep manifests in a folder only you can write",
+                       manifest.printable(path), shared)
     return learner
 
 

@@ -220,6 +220,10 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
         state.refused = why
         logger.warning("kwarm: replay did not use the manifest %s: %s", path, why)
         return state
+    shared = manifest_files.shared_folder(path)
+    if shared:  # a warning, not a refusal: the file itself passed the checks (README, "Trust model")
+        logger.warning("kwarm: manifest %s: %s; keep manifests in a folder only you can write",
+                       manifest.printable(path), shared)
     if data.stamp.differences(stamp):
         logger.info("kwarm: manifest %s was recorded with %s; its entries are checked one by one",
                     path, ", ".join(data.stamp.differences(stamp)))
