@@ -26,12 +26,16 @@ import time
 
 FORMAT = "kwarm-manifest"
 FORMAT_VERSION = 1
-MAX_BYTES = 64 << 20  # a manifest of a large deployment is a few MB; refuse absurd files
+# A learned manifest of a large deployment is about 1 MB (a few hundred entries of 1-4 KB); refuse
+# absurd files. Issue 59: at 64 MiB one load cost 19.8 s and 368 MB. At 16 MiB the container bound
+# below binds first for real entries (about 8 MiB of them): 1.5-2.3 s and 59-71 MB on this project's
+# 2-core CPU machine, 16 MiB of plain numbers 0.4 s and 101 MB (README, "Trust model").
+MAX_BYTES = 16 << 20
 OPTION_VALUE = (type(None), bool, int, float, str)
 MAX_KEY = 20_000  # characters of one in-memory key (vLLM's largest, 73 arguments: about 4,000)
 MAX_TOKEN_COUNTS = 4096  # learned step sizes kept per manifest (eager_gemm warms them exactly)
 MAX_TOKENS = 1 << 20  # a step's token count above this is not a real one
-# Bounds that keep a hostile file cheap (8 MiB: under 1 s and 50 MB at engine start). A learned
+# Bounds that keep a hostile file cheap (a few seconds and under 110 MB at engine start). A learned
 # manifest of a published-size model holds a few hundred entries of at most ~250 JSON containers.
 MAX_ENTRIES = 20_000  # entries, and autotune choices, kept per manifest
 MAX_CONTAINERS = 400_000  # JSON objects and arrays in one file, counted before it is parsed

@@ -168,9 +168,29 @@ def check_writable_target(path: str) -> None:
         raise BadManifest(f"refused to replace {printable(path)}: owned by uid {st.st_uid}, not this user")
 
 
-def load(path: str) -> Manifest:
-    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`."""
-    return parse(read_trusted(path))
+_kept: tuple | None = None  # (path, the file's identity, its Manifest): load(keep=True)
+
+
+def load(path: str, keep: bool = False) -> Manifest:
+    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`.
+
+    `keep`: the parse is kept for the next load of the same unchanged file (device, inode, size,
+    modification time), which takes it instead of parsing again: replay keeps it when this process
+    learns, and the learner's load takes it (issue 59: one start parsed the file twice, up to 20 s
+    and 368 MB each at 64 MiB). Only readers keep: a save merges into what it loads."""
+    global _kept
+    try:
+        st = os.stat(path)
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        identity = None
+    kept, _kept = _kept, None
+    if identity is not None and kept is not None and kept[:2] == (path, identity):
+        return kept[2]
+    data = parse(read_trusted(path))
+    if keep and identity is not None:
+        _kept = (path, identity, data)
+    return data
 
 
 def read_token_counts(path: str, stamp: Stamp) -> list:

@@ -840,3 +840,30 @@ def test_59_11_another_users_link_in_a_shared_folder_is_not_followed(tmp_path, k
     assert kwarm_log.messages() == [f"kwarm: manifest {in_shared}: its folder {shared} is writable by group and others "
                                     "(sticky: others cannot replace your files, but can plant their own); keep "
                                     "manifests in a folder only you can write"]
+
+
+def test_59_8_a_start_that_replays_and_learns_parses_the_manifest_once(tmp_path, monkeypatch, fake_driver):
+    """Hole 8: a learning start loaded the manifest twice (replay, then the learner); at 64 MiB each load
+    cost 19.8 s and 368 MB. Reads are now at most 16 MiB (README: what that costs), and the learner
+    takes the parse replay kept when the file did not change."""
+    assert manifest.MAX_BYTES == 16 << 20
+    path = str(write(tmp_path / "m.json", [entry()], mode=0o600))
+    parses = []
+    real = manifest_files.parse
+    monkeypatch.setattr(manifest_files, "parse", lambda text: parses.append(1) or real(text))
+    monkeypatch.setenv("KWARM_LEARN", "1")
+    config.reset()
+    try:
+        replay.prepare(path, STAMP, ALLOWED)
+        from kwarm_ext.surfaces.triton import learn
+
+        known = learn._known_manifest(path, STAMP)
+        assert len(known.entries) == 1 and len(parses) == 1, "the learner took replay's parse"
+        manifest_files.load(path)
+        assert len(parses) == 2, "taken once: a later load reads the file again"
+        manifest_files.load(path, keep=True)
+        os.utime(path, ns=(1, 1))  # the file changed: its parse is not reused
+        manifest_files.load(path)
+        assert len(parses) == 4
+    finally:
+        config.reset()

@@ -337,7 +337,7 @@ def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:
     """What the manifest already holds (empty if unusable): its entries are not new, its
     autotune choices need not be saved again."""
     try:
-        known = manifest_files.load(path)
+        known = manifest_files.load(path)  # takes what replay parsed at this start, if unchanged
     except (FileNotFoundError, manifest.BadManifest):
         return manifest.Manifest(stamp)
     return known if known.stamp.incompatibility(stamp) is None else manifest.Manifest(stamp)

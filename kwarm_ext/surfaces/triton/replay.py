@@ -209,7 +209,8 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     """Load and check the manifest, resolve its entries; logs one line per refusal."""
     state = ReplayState(path)
     try:
-        data = manifest_files.load(path)
+        # a learner of this start reads it again: it takes this parse instead
+        data = manifest_files.load(path, keep=config.get().learn != "off")
         why = data.stamp.incompatibility(stamp)
     except FileNotFoundError:
         state.refused = "no manifest"
