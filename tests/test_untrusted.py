@@ -65,6 +65,20 @@ def test_2_tagged_objects_do_not_pass_for_a_plain_constant(tmp_path, tagged):
     assert data.entries == [] and "but the key says 128" in data.problems[0][1], data.problems
 
 
+@pytest.mark.parametrize("recorded, usable", [(1, True), (True, False), (1.0, False), ("1", False), (None, False)])
+def test_a_constant_must_be_the_keys_value_kind_for_kind(recorded, usable):
+    """``true`` == 1 in Python: a constant of another kind than the key's would file a kernel under
+    another specialization's key (issue 59: dropping the kind check was caught by no test)."""
+    key = entry().key.replace("('constexpr', 128)", "('constexpr', 1)")
+    raw = manifest.Manifest(STAMP, [entry()]).as_json()
+    raw["entries"][0].update(key=key)
+    raw["entries"][0]["spec"]["constant_vals"] = [recorded]
+    data = manifest.parse(json.dumps(raw))
+    assert bool(data.entries) is usable, (recorded, data.problems)
+    if not usable:
+        assert data.problems[0][1] == f"malformed: constant 3 is {recorded!r} but the key says 1"
+
+
 def test_12_negative_zero_is_not_zero(tmp_path):
     key = entry().key.replace("('constexpr', 128)", "('constexpr', 0.0)")
     raw = manifest.Manifest(STAMP, [entry()]).as_json()
