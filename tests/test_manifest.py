@@ -206,7 +206,7 @@ def test_files_owned_by_another_user_are_refused(tmp_path):
 
 def test_a_directory_is_refused(tmp_path):
     (tmp_path / "d.json").mkdir()
-    with pytest.raises(BadManifest):
+    with pytest.raises(BadManifest, match="^refused: not a regular file$"):
         manifest_files.load(str(tmp_path / "d.json"))
 
 

@@ -583,7 +583,8 @@ def test_5_an_entry_still_compiling_past_the_bound_is_skipped_unwaited(tmp_path,
     state = replay.prepare(str(path), STAMP, ALLOWED)
     state.threads = 1  # one thread: bounded too (the bound needs the pool)
     assert len(replay.compile_entries(state)) == 3 and state.skipped == []
-    assert isinstance(triton_compile.CompileTimedOut(1.0), Exception)
+    # what a timed-out entry says, and that the replay's total bound did not end these compiles
+    assert str(triton_compile.CompileTimedOut(0.001)) == "still compiling after 0.001 s" and state.out_of_time == 0
 
 
 def test_5_the_bounded_pool_fails_a_late_job_at_once_and_does_not_wait_for_it():
