@@ -209,7 +209,7 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
         kept, or (`using`) what happens instead, in words."""
         if using is None:
             using = f"using the default {default!r}" if in_force is None else f"using {in_force!r}"
-        from kwarm_ext.manifest import printable  # a name from the variable may hold a newline (issue 59)
+        from kwarm_ext.escape import printable  # a name from the variable may hold a newline (issue 59)
 
         problems.append(printable(f"{var}={value!r} is invalid ({why}); {using}", 2000))
 

@@ -303,7 +303,7 @@ def render(r: dict) -> str:
     lines += [f"    {os.path.basename(path)}" for path in m.get("found", [])[:20]]
     lines += ["", "configuration:"] + [f"  {k:21s} {v}" for k, v in r["config"].items()]
     lines += [f"  problem: {p}" for p in r["config_problems"]]
-    from kwarm_ext.manifest import printable
+    from kwarm_ext.escape import printable
 
     # file names (manifests found in a shared cache folder) and paths reach the terminal escaped (issue 59)
     return "\n".join(printable(line, 4000) for line in lines)

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run_py
+from conftest import clean_env, require, run_py
 from kwarm_ext import config, manifest, manifest_files
 from kwarm_ext.surfaces.triton import learn
 from kwarm_ext.surfaces.triton import replay
 from kwarm_ext.manifest import BadManifest, Entry, Stamp, TuneChoice
 
-triton = pytest.importorskip("triton")
+triton = require("triton")
 import replay_kernels as rk  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -319,7 +319,7 @@ def test_malformed_entries_are_one_line_per_file_and_the_rest_replays(tmp_path, 
 
 
 def test_engine_starts_with_a_bad_manifest(tmp_path, kwarm_env, kwarm_log, fake_driver):
-    pytest.importorskip("vllm")
+    require("vllm")
     from kwarm_ext import warmup
 
     path = tmp_path / "m.json"

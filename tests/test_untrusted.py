@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, require
 from kwarm_ext import config, manifest, manifest_files, warmup
 from kwarm_ext.surfaces.triton import replay
 from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.manifest import BadManifest, Stamp
 
-triton = pytest.importorskip("triton")
+triton = require("triton")
 from test_manifest import ALLOWED, OPTIONS, STAMP, entry, fake_driver, warnings_of, write  # noqa: E402,F401
 
 ROOT = os.geteuid() == 0
