@@ -327,8 +327,12 @@ def test_59_5_flashinfer_replay_builds_in_parallel_and_stops_at_the_deadline(no_
 
     import flashinfer.jit.core as core
 
-    release = threading.Event()
+    import torch
+
+    release, devices = threading.Event(), []
     monkeypatch.setattr(fi_surface, "_build_threads", lambda: 2)
+    monkeypatch.setattr(fi_surface, "_current_cuda_device", lambda: 2)  # a TP rank's (no GPU here)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append(d))
     monkeypatch.setattr(core.JitSpec, "build", lambda self, verbose, need_lock=True: release.wait(0.6))
     items = [_item("flashinfer.concat_ops.get_concat_mla_module", "concat_mla"),
              _item("flashinfer.activation.get_act_and_mul_module", "silu_and_mul", ["silu"])]
@@ -336,6 +340,7 @@ def test_59_5_flashinfer_replay_builds_in_parallel_and_stops_at_the_deadline(no_
     result = fi_surface.SURFACE.replay(items, fi_surface.SURFACE.version(), deadline=time.monotonic() + 30)
     assert sorted(d.split(" ")[0] for d in result.done) == ["concat_mla", "silu_and_mul"], result.skipped
     assert time.monotonic() - t0 < 1.1, "two 0.6 s builds at once, not one after the other"
+    assert devices == [2, 2], "each build thread took the caller's device"
 
     for getter in (__import__("flashinfer").concat_ops.get_concat_mla_module,
                    __import__("flashinfer").activation.get_act_and_mul_module):

@@ -647,9 +647,14 @@ def test_59_4_the_whole_replay_is_bounded_and_what_is_left_is_one_line(tmp_path,
     returns (a stand-in for Triton's, in the compile loop's own thread) is left behind, unwaited."""
     from kwarm_ext.surfaces.triton import preload as triton_preload
 
+    import torch
+
     release = threading.Event()
-    started = []
+    started, devices = [], []
     monkeypatch.setattr(triton_preload, "preload", lambda job: started.append(job) or release.wait(30))
+    # a TP rank's device (no GPU here): the compile loop's thread takes it before it compiles anything
+    monkeypatch.setattr(triton_preload, "_current_cuda_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((d, threading.current_thread().name)))
     path = write(tmp_path / "m.json", [entry(block=b) for b in range(16, 56)])
     state = replay.prepare(str(path), STAMP, ALLOWED)
     assert len(state.jobs) == 40
@@ -658,6 +663,7 @@ def test_59_4_the_whole_replay_is_bounded_and_what_is_left_is_one_line(tmp_path,
     assert replay.compile_entries(state) == []
     assert time.monotonic() - t0 < 3, "the replay's deadline ended the step"
     assert len(started) == 1 and state.out_of_time == 40 and {s.kind for s in state.skipped} == {"out of time"}
+    assert devices == [(3, "kwarm-replay-loop")], devices
     assert kwarm_log.messages() == ["kwarm: replay reached its total bound of 0.5 s (KWARM_REPLAY_LIMIT): "
                                     "40 Triton entries left to the requests"]
     assert "40 skipped (out of time: 40)" in state.summary() and state.details()["out_of_time"] == 40

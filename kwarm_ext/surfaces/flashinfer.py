@@ -140,6 +140,14 @@ class FlashInferSurface(Surface):
 BUILD_THREADS = 4  # FlashInfer builds at once in one worker (each build's ninja runs nvcc in parallel too)
 
 
+def _current_cuda_device():
+    torch = sys.modules.get("torch")  # FlashInfer imports torch; without it there is no device to keep
+    try:
+        return torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
 def _build_threads() -> int:
     try:
         cores = len(os.sched_getaffinity(0))
@@ -156,8 +164,13 @@ def _run_until(fn, items, threads: int, deadline) -> list:
     outcomes: list = [None] * len(items)
     pending = list(range(len(items)))
     lock, finished = threading.Lock(), threading.Condition()
+    device = _current_cuda_device()
 
     def work():
+        if device is not None:  # a new thread's CUDA device is 0; FlashInfer checks the caller's arch
+            import torch
+
+            torch.cuda.set_device(device)
         while True:
             with lock:
                 if not pending or (deadline is not None and time.monotonic() >= deadline):

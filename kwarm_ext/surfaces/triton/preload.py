@@ -235,6 +235,20 @@ def init_handles_each(kernels: list, threads: int) -> list:
         return [attempt(k) for k in kernels]
 
 
+def take_callers_device():
+    """A function that makes the thread calling it use the caller's current CUDA device (a new
+    thread's is device 0): Triton files a preloaded kernel under the compiling thread's device
+    (``device_caches[device]``), and a TP rank's is not device 0. A no-op without CUDA."""
+    device = _current_cuda_device()
+
+    def take() -> None:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+    return take
+
+
 def _current_cuda_device():
     import torch
 

@@ -340,8 +340,10 @@ def compile_entries(state: ReplayState) -> list:
     deadline = state.until()
     results: dict = {}
     stop = threading.Event()
+    take_device = triton_preload.take_callers_device()
 
     def loop():
+        take_device()  # kernels are filed under the compiling thread's device: this rank's
         with triton_compile.parallel_compiles(threads, per_job_s=ENTRY_COMPILE_S, deadline=deadline):
             for index, job in enumerate(state.jobs):
                 if stop.is_set() or time.monotonic() >= deadline:
