@@ -888,3 +888,27 @@ def test_59_8_a_start_that_replays_and_learns_parses_the_manifest_once(tmp_path,
         assert len(parses) == 4
     finally:
         config.reset()
+
+
+def test_59_4_a_failure_of_the_compile_loop_is_one_warning_and_strict_raises_it(tmp_path, kwarm_log, fake_driver,
+                                                                               monkeypatch):
+    """The loop runs in a thread of its own: its failure still reaches kwarm's policy in the step's thread."""
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no pool")
+
+    monkeypatch.setattr(triton_compile, "parallel_compiles", broken)
+    path = write(tmp_path / "m.json", [entry(block=32)])
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    assert replay.compile_entries(state) == [] and state.out_of_time == 0
+    assert [(s.kind, s.reason) for s in state.skipped] == [("compile failed", "the compile loop failed: RuntimeError")]
+    assert kwarm_log.messages() == ["kwarm: replay's compile loop failed: RuntimeError: no pool"]
+    monkeypatch.setenv("KWARM_STRICT", "1")
+    config.reset()
+    try:
+        with pytest.raises(RuntimeError, match="no pool"):
+            replay.compile_entries(replay.prepare(str(path), STAMP, ALLOWED))
+    finally:
+        monkeypatch.delenv("KWARM_STRICT")
+        config.reset()

@@ -355,11 +355,22 @@ def compile_entries(state: ReplayState) -> list:
             if not stop.is_set():
                 state.binder = _attempt(triton_preload.warm_binder, "primed by warmup")
 
+    errors: list = []
+
+    def contained():
+        try:
+            loop()
+        except BaseException as exc:  # noqa: BLE001 (raised again below, in the step's own thread)
+            errors.append(exc)
+
     with learn.paused():
-        worker = threading.Thread(target=_contained(loop), name="kwarm-replay-loop", daemon=True)
+        worker = threading.Thread(target=contained, name="kwarm-replay-loop", daemon=True)
         worker.start()
         worker.join(max(0.0, deadline - time.monotonic()))
         stop.set()
+        if errors:  # the loop's failure under kwarm's policy, where KWARM_STRICT can see it
+            with fail_open("replay's compile loop failed"):
+                raise errors[0]
         late = []
         for index, job in enumerate(state.jobs):
             result = results.get(index)
@@ -367,16 +378,12 @@ def compile_entries(state: ReplayState) -> list:
                 late.append(job.label)
             else:
                 _settle(state, job, result)
-        state.left_out(late, "Triton entries")
+        if errors:  # not the bound: the loop ended (its one warning above)
+            for label in late:
+                state.skip(label, "compile failed", f"the compile loop failed: {type(errors[0]).__name__}", log=False)
+        else:
+            state.left_out(late, "Triton entries")
     return [label for label, _ in state.compiled]
-
-
-def _contained(fn):
-    """`fn` for a thread of kwarm's: what it raises is one warning (the log.fail_open policy)."""
-    def run():
-        with fail_open("replay's compile loop failed"):
-            fn()
-    return run
 
 
 def _unfinished(result) -> bool:
