@@ -168,9 +168,10 @@ def _run_until(fn, items, threads: int, deadline) -> list:
 
     def work():
         if device is not None:  # a new thread's CUDA device is 0; FlashInfer checks the caller's arch
-            import torch
-
-            torch.cuda.set_device(device)
+            try:
+                sys.modules["torch"].cuda.set_device(device)
+            except Exception as exc:  # the build checks device 0's arch instead: same GPUs on a host
+                logger.debug("kwarm: a FlashInfer build thread kept device 0: %s", exc)
         while True:
             with lock:
                 if not pending or (deadline is not None and time.monotonic() >= deadline):
