@@ -100,10 +100,31 @@ def _strict() -> bool:
     return config.strict()
 
 
-def bootstrap_dir() -> str:
-    """The folder holding kwarm's ``sitecustomize.py`` (``kwarm_ext/_bootstrap`` when installed)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+def bootstrap_dir(package_dir: str | None = None, write: bool = True) -> str:
+    """The folder holding kwarm's ``sitecustomize.py`` alone (``kwarm_ext/_bootstrap`` when installed).
+
+    From a source checkout (an editable install has no ``_bootstrap``) it is a copy of the
+    repository's ``sitecustomize.py`` in ``<kwarm's cache folder>/bootstrap``, not the repository
+    root: that root first on ``PYTHONPATH`` let its ``setup.py`` (and any other top-level file)
+    shadow a user's module of that name (issue 59). `write` false (``kwarm doctor``): the folder only."""
+    here = package_dir or os.path.dirname(os.path.abspath(__file__))
     installed = os.path.join(here, "_bootstrap")
     if os.path.isfile(os.path.join(installed, "sitecustomize.py")):
         return installed
-    return os.path.dirname(here)  # a source checkout: the repository root
+    from kwarm_ext import manifest_files
+
+    folder = os.path.join(manifest_files.cache_dir(), "bootstrap")
+    if not write:
+        return folder
+    with open(os.path.join(os.path.dirname(here), "sitecustomize.py")) as f:
+        text = f.read()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    target = os.path.join(folder, "sitecustomize.py")
+    try:
+        with open(target) as f:
+            current = f.read()
+    except OSError:
+        current = None
+    if current != text:
+        manifest_files.write_atomic(target, text, 0o600)
+    return folder

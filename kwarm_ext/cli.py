@@ -101,5 +101,19 @@ def _add_manifest_parser(sub) -> None:
     merge.add_argument("-o", "--output", required=True, metavar="OUT", help="the merged manifest")
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """The ``kwarm`` script: :func:`main`, and a reader that stops early (``kwarm manifest show | head``)
+    ends the command quietly instead of in a BrokenPipeError traceback (issue 59): stdout goes to
+    /dev/null for the interpreter's last flush, and the status is 141 (128 + SIGPIPE), as a shell's."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

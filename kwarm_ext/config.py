@@ -43,6 +43,9 @@ VARIABLES = {
     "KWARM_COMPILE_PROCESSES": "Processes per worker that compile DeepGEMM's block-FP8 kernels on a cold "
                                "start: `auto` (default: one per core of the worker's share but one, at most "
                                "16) or N (1..1024, at most the worker's cores but one), for a host with more cores.",
+    "KWARM_REPLAY_LIMIT": "Seconds the whole replay of a manifest may take per worker (Triton entries, then "
+                          "FlashInfer modules); past it the rest is skipped in one line and left to the "
+                          "requests. Default 600; 0..86400.",
     "KWARM_ALLOW_MODULES": "Comma list of extra module prefixes whose kernels a manifest may name "
                            "(always allowed: `vllm.`, `kwarm_ext.`). `pkg.` allows pkg's submodules, `pkg` "
                            "allows pkg and its submodules.",
@@ -167,6 +170,7 @@ class Settings:
     allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
     budget: tuple = ("percent", 8.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value); DEFAULT_BUDGET
     compile_processes: int | None = None  # KWARM_COMPILE_PROCESSES; None: auto
+    replay_limit: float = 600.0  # KWARM_REPLAY_LIMIT: seconds for a whole replay (DEFAULT_REPLAY_LIMIT)
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
 
     @property
@@ -181,7 +185,8 @@ class Settings:
                 "KWARM_LEARN_INTERVAL": self.learn_interval, "KWARM_MANIFEST": self.manifest,
                 "KWARM_ALLOW_MODULES": ",".join(self.allowed_modules),
                 "KWARM_BUDGET": _describe_budget(self.budget),
-                "KWARM_COMPILE_PROCESSES": self.compile_processes or "auto"}
+                "KWARM_COMPILE_PROCESSES": self.compile_processes or "auto",
+                "KWARM_REPLAY_LIMIT": self.replay_limit}
 
 
 def is_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -204,7 +209,9 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
         kept, or (`using`) what happens instead, in words."""
         if using is None:
             using = f"using the default {default!r}" if in_force is None else f"using {in_force!r}"
-        problems.append(f"{var}={value!r} is invalid ({why}); {using}")
+        from kwarm_ext.escape import printable  # a name from the variable may hold a newline (issue 59)
+
+        problems.append(printable(f"{var}={value!r} is invalid ({why}); {using}", 2000))
 
     def boolean(var, default=False):
         raw = env.get(var)
@@ -233,6 +240,7 @@ def parse(env: Mapping[str, str] | None = None, known_families=None) -> Settings
                     allow_modules=_parse_allow_modules(env.get("KWARM_ALLOW_MODULES"), bad),
                     budget=_parse_budget(env.get("KWARM_BUDGET"), bad),
                     compile_processes=_parse_processes(env.get("KWARM_COMPILE_PROCESSES"), bad),
+                    replay_limit=_parse_replay_limit(env.get("KWARM_REPLAY_LIMIT"), bad),
                     problems=tuple(problems))
 
 
@@ -284,6 +292,27 @@ def _parse_interval(raw, bad) -> float:
     if not (0 <= value <= MAX_LEARN_INTERVAL):
         bad("KWARM_LEARN_INTERVAL", raw, "60", f"expected a number of seconds from 0 to {MAX_LEARN_INTERVAL:g}")
         return 60.0
+    return value
+
+
+# The whole replay's bound (issue 59: a per-entry bound alone let 20,000 slow entries hold a start
+# for about 62 hours). A learned manifest of a published-size model replays in 1-3 minutes on a
+# cold Triton cache at 16 threads, and FlashInfer's nvcc builds take about 45 s each.
+DEFAULT_REPLAY_LIMIT = 600.0
+MAX_REPLAY_LIMIT = 86400.0
+
+
+def _parse_replay_limit(raw, bad) -> float:
+    if raw is None or not raw.strip():
+        return DEFAULT_REPLAY_LIMIT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 <= value <= MAX_REPLAY_LIMIT):
+        bad("KWARM_REPLAY_LIMIT", raw, f"{DEFAULT_REPLAY_LIMIT:g}",
+            f"expected a number of seconds from 0 to {MAX_REPLAY_LIMIT:g}")
+        return DEFAULT_REPLAY_LIMIT
     return value
 
 

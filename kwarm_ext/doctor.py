@@ -30,7 +30,7 @@ def doors(enabled: bool) -> dict:
     from kwarm_ext.activation import bootstrap_dir
 
     pth = [p for d in _site_dirs() for p in glob.glob(os.path.join(d, "kwarm-ext.pth"))]
-    boot = bootstrap_dir()
+    boot = bootstrap_dir(write=False)
     on_path = boot in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kwarm"]
     plugins = os.environ.get("VLLM_PLUGINS")
@@ -303,7 +303,10 @@ def render(r: dict) -> str:
     lines += [f"    {os.path.basename(path)}" for path in m.get("found", [])[:20]]
     lines += ["", "configuration:"] + [f"  {k:21s} {v}" for k, v in r["config"].items()]
     lines += [f"  problem: {p}" for p in r["config_problems"]]
-    return "\n".join(lines)
+    from kwarm_ext.escape import printable
+
+    # file names (manifests found in a shared cache folder) and paths reach the terminal escaped (issue 59)
+    return "\n".join(printable(line, 4000) for line in lines)
 
 
 def main(as_json: bool = False) -> int:

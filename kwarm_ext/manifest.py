@@ -23,20 +23,27 @@ import json
 import re
 import time
 
+from kwarm_ext.escape import printable  # noqa: F401  (kept here: every caller's name for it)
+from kwarm_ext.manifest_keys import (  # noqa: F401
+    MAX_CONSTANT, _check_attrs_match_key, _check_constants_match_key, _kind, _same_constant)
+
 
 FORMAT = "kwarm-manifest"
 FORMAT_VERSION = 1
-MAX_BYTES = 64 << 20  # a manifest of a large deployment is a few MB; refuse absurd files
+# A learned manifest of a large deployment is about 1 MB (a few hundred entries of 1-4 KB); refuse
+# absurd files. Issue 59: at 64 MiB one load cost 19.8 s and 368 MB. At 16 MiB the container bound
+# below binds first for real entries (about 8 MiB of them): 1.5-2.3 s and 59-71 MB on this project's
+# 2-core CPU machine, 16 MiB of plain numbers 0.4 s and 101 MB (README, "Trust model").
+MAX_BYTES = 16 << 20
 OPTION_VALUE = (type(None), bool, int, float, str)
 MAX_KEY = 20_000  # characters of one in-memory key (vLLM's largest, 73 arguments: about 4,000)
 MAX_TOKEN_COUNTS = 4096  # learned step sizes kept per manifest (eager_gemm warms them exactly)
 MAX_TOKENS = 1 << 20  # a step's token count above this is not a real one
-# Bounds that keep a hostile file cheap (8 MiB: under 1 s and 50 MB at engine start). A learned
+# Bounds that keep a hostile file cheap (a few seconds and under 110 MB at engine start). A learned
 # manifest of a published-size model holds a few hundred entries of at most ~250 JSON containers.
 MAX_ENTRIES = 20_000  # entries, and autotune choices, kept per manifest
 MAX_CONTAINERS = 400_000  # JSON objects and arrays in one file, counted before it is parsed
 MAX_PROBLEMS = 50  # dropped items kept with their reason; the rest are counted
-MAX_CONSTANT = 1000  # characters of one recorded constexpr as JSON (vLLM's: numbers, dtypes, short tuples)
 
 
 class BadManifest(ValueError):
@@ -132,24 +139,33 @@ class Manifest:
     token_counts: list = dataclasses.field(default_factory=list)  # step sizes seen, first seen first
     # the other JIT surfaces' items (kwarm_ext/surfaces/): name -> {"version": str | None, "items": [dict]}
     surfaces: dict = dataclasses.field(default_factory=dict)
+    # what merges left out, one line each (items past MAX_ENTRIES, another library version's items):
+    # a save says it instead of dropping them silently (issue 59)
+    left_out: list = dataclasses.field(default_factory=list)
 
     def merge(self, entries=(), autotune=(), token_counts=(), surfaces=None) -> int:
-        """Add what is new (by identity; a key's first recorded choice wins; at most
-        MAX_TOKEN_COUNTS step sizes, the first seen kept; a surface's items by its key, those of
-        another library version replaced). Returns how many."""
+        """Add what is new (by identity; a key's first recorded choice wins; at most MAX_ENTRIES
+        entries and as many autotune choices, the first kept; at most MAX_TOKEN_COUNTS step sizes,
+        the first seen kept; a surface's items by its key, those of another library version
+        replaced). What is left out is said in ``left_out``. Returns how many were added."""
         added = self._merge_surfaces(surfaces or {})
         known = set(self.token_counts)
         fresh = [m for m in dict.fromkeys(token_counts) if m not in known]
         fresh = fresh[:max(0, MAX_TOKEN_COUNTS - len(self.token_counts))]
         self.token_counts += fresh
         added += len(fresh)
-        for mine, theirs in ((self.entries, entries), (self.autotune, autotune)):
-            seen = {item.identity for item in mine}
+        for field, mine, theirs in (("entries", self.entries, entries), ("autotune choices", self.autotune, autotune)):
+            seen, over = {item.identity for item in mine}, 0
             for item in theirs:
                 if item.identity not in seen:
+                    if len(mine) >= MAX_ENTRIES:  # what load keeps: a save never writes what the next load drops
+                        over += 1
+                        continue
                     mine.append(item)
                     seen.add(item.identity)
                     added += 1
+            if over:
+                self.left_out.append(f"{over} new {field} left out: a manifest keeps at most {MAX_ENTRIES}")
         return added
 
     def _merge_surfaces(self, surfaces: dict) -> int:
@@ -158,15 +174,24 @@ class Manifest:
         added = 0
         for name, (version, items) in surfaces.items():
             section = self.surfaces.get(name)
+            if section is not None and section["version"] != version and section["items"]:
+                self.left_out.append(f"{len(section['items'])} {name} items recorded with {name} "
+                                     f"{printable(section['version'], 40)} dropped: replaced by those of {printable(version, 40)}")
             if section is None or section["version"] != version:
                 section = self.surfaces[name] = {"version": version, "items": []}
             key = registry.get(name).key
             seen = {key(item) for item in section["items"]}
+            over = 0
             for item in items:
-                if key(item) not in seen and len(section["items"]) < registry.MAX_ITEMS:
+                if key(item) not in seen:
+                    if len(section["items"]) >= registry.MAX_ITEMS:
+                        over += 1
+                        continue
                     section["items"].append(item)
                     seen.add(key(item))
                     added += 1
+            if over:
+                self.left_out.append(f"{over} new {name} items left out: a manifest keeps at most {registry.MAX_ITEMS}")
         return added
 
     def as_json(self) -> dict:
@@ -246,19 +271,17 @@ def disallowed_options(options: dict) -> list:
     return out
 
 
-def printable(text, limit: int = 200) -> str:
-    """`text` safe for a log line or a terminal: control characters and non-ASCII escaped,
-    at most `limit` characters."""
-    out = str(text).encode("ascii", "backslashreplace").decode("ascii")
-    out = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in out)
-    return out if len(out) <= limit else out[:limit] + "..."
+def containers(text: str) -> int:
+    """An upper bound of the JSON objects and arrays in `text` (strings may hold braces), counted
+    without parsing: what load checks against MAX_CONTAINERS, and save before writing."""
+    return text.count("{") + text.count("[")
 
 
 def _document(text: str) -> dict:
     """The manifest's JSON object, its format and version checked; raises :class:`BadManifest`."""
-    containers = text.count("{") + text.count("[")  # an upper bound (strings may hold them): no parse yet
-    if containers > MAX_CONTAINERS:
-        raise BadManifest(f"{containers} JSON objects and arrays, more than a manifest holds ({MAX_CONTAINERS})")
+    count = containers(text)
+    if count > MAX_CONTAINERS:
+        raise BadManifest(f"{count} JSON objects and arrays, more than a manifest holds ({MAX_CONTAINERS})")
     try:
         data = json.loads(text)
     except RecursionError:
@@ -367,77 +390,6 @@ def _entry(raw) -> Entry:
     _check_constants_match_key(specialization, spec)
     _check_attrs_match_key(specialization, spec)
     return Entry(module, qualname, _str(raw, "source_key", limit=256), key, options, spec)
-
-
-def _kind(value) -> type:
-    """bool, int (an IntEnum member too), or the value's own type: 1, True and 1.0 differ in a key."""
-    return bool if type(value) is bool else int if isinstance(value, int) else type(value)
-
-
-def _check_constants_match_key(specialization, spec: dict) -> None:
-    """Every recorded constant must be the value the key holds for that argument: replay
-    compiles the constants and files the binary under the key, so parts that disagree would
-    put one specialization's binary under another's key."""
-    if specialization is None:
-        raise ValueError("the key's specialization cannot be read, so its constants cannot be checked")
-    for path, encoded in zip(spec["constant_keys"], spec["constant_vals"]):
-        if len(json.dumps(encoded)) > MAX_CONSTANT:
-            raise ValueError(f"constant {path} is larger than {MAX_CONSTANT} characters of JSON")
-        if len(path) != 1 or path[0] >= len(specialization):
-            raise ValueError(f"constant {path} is not an argument of the key")
-        held = specialization[path[0]]
-        if not (isinstance(held, tuple) and len(held) == 2 and held[0] == "constexpr"):
-            raise ValueError(f"argument {path[0]} is not a constexpr in the key")
-        if not _same_constant(encoded, held[1]):
-            raise ValueError(f"constant {path[0]} is {printable(repr(encoded))} but the key says "
-                             f"{printable(repr(held[1]))}")
-
-
-def _check_attrs_match_key(specialization, spec: dict) -> None:
-    """The recorded compiler attributes must be those the key implies (``tt.divisibility`` only
-    where the key says ``D``): replay compiles with them and files the binary under the key, and
-    an attribute the key does not justify (16-byte alignment) would be assumed by every launch
-    that finds that key."""
-    from kwarm_ext.surfaces.triton.compat import attrs_from_key
-
-    implied = {path: attrs for path, attrs in attrs_from_key(specialization).items() if attrs}
-    recorded = {}
-    for path, attrs in zip(spec["attrs_keys"], spec["attrs_vals"]):
-        if attrs:
-            recorded[tuple(path)] = attrs
-    for path in sorted(set(implied) | set(recorded)):
-        if json.dumps(recorded.get(path)) != json.dumps(implied.get(path)):
-            raise ValueError(f"attributes of argument {list(path)} are {printable(json.dumps(recorded.get(path)))} "
-                             f"but the key implies {printable(json.dumps(implied.get(path)))}")
-
-
-def _same_constant(encoded, in_key) -> bool:
-    """Whether a recorded (JSON) constant is the key's value, kind for kind: scalars exactly
-    (``-0.0`` is not ``0.0``: Triton compiles them apart), Triton and torch dtypes by name, tuples
-    element by element; a jitted function, which the key prints as its cache key (a hash), only
-    where the key holds one (its source is checked against the key when it is resolved). Any
-    other tag is refused."""
-    if encoded is None or isinstance(encoded, (bool, int, float, str)):
-        if type(encoded) is float and type(in_key) is float:
-            return repr(encoded) == repr(in_key)
-        return encoded == in_key and _kind(encoded) is _kind(in_key)
-    if not (isinstance(encoded, dict) and len(encoded) == 1):
-        return False
-    (tag, inner), = encoded.items()
-    if tag == "tl_dtype":
-        return str(in_key) == inner
-    if tag == "constexpr":
-        return _same_constant(inner, in_key)
-    if tag == "str":
-        return type(in_key) is str and in_key == inner
-    if tag == "torch_dtype":
-        return type(inner) is str and str(in_key) in (f"torch.{inner}", inner)
-    if tag == "tuple":
-        return (isinstance(inner, list) and isinstance(in_key, (tuple, list)) and len(inner) == len(in_key)
-                and all(_same_constant(e, k) for e, k in zip(inner, in_key)))
-    if tag == "jit_function":
-        return type(inner) is str and type(in_key) is str and bool(re.fullmatch(r"[0-9a-f]{64}", in_key))
-    return False
 
 
 def _spec(spec, full_name: str) -> dict:

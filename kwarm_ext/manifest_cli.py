@@ -166,7 +166,9 @@ def verify(paths: list) -> int:
 
 
 def _surface_problems(data) -> list:
-    """The other surfaces' items recorded with another version of their library than this one's."""
+    """The other surfaces' items recorded with another version of their library than this one's,
+    and those replay would refuse here (a FlashInfer getter that is no JIT getter of this
+    FlashInfer's own modules: ``Surface.problem``, which imports nothing)."""
     out = []
     for name, section in data.surfaces.items():
         surface = surfaces.get(name)
@@ -174,6 +176,11 @@ def _surface_problems(data) -> list:
         if section["version"] != here:
             why = f"recorded with {name} {section['version']}, this is {here or f'no {name}'}"
             out += [(surface.describe(item), why) for item in section["items"]]
+            continue
+        for item in section["items"]:
+            why = surface.problem(item)
+            if why:
+                out.append((surface.describe(item), why))
     return out
 
 
@@ -250,6 +257,9 @@ def merge(paths: list, output: str) -> int:
         return 2
     if result.note:
         _out(f"{output}: {result.note}")
+    left_out = list(dict.fromkeys(combined.left_out + list(result.left_out)))
+    for line in left_out:
+        _out(f"{output}: {line}")
     _out(f"merged {len(inputs)} manifests into {result.path}: {result.total} items "
          f"({result.added - result.new_step_sizes} new), {result.step_sizes} step sizes ({result.new_step_sizes} new)")
-    return 1 if refused else 0
+    return 1 if refused or left_out else 0

@@ -32,10 +32,68 @@ def untrusted_reason(st: os.stat_result) -> str | None:
     return None
 
 
+def foreign_link(path: str) -> str | None:
+    """The first symbolic link on the way to `path` (a folder of it or the file) owned by another
+    user than this one or root, else None. Such a link was planted by someone who can write a
+    shared folder (issue 59: followed for the manifest and for the report's folder); a link of
+    this user's or root's is followed. Links are resolved as the kernel does, at most 40."""
+    todo = [part for part in os.path.abspath(path).split(os.sep) if part]
+    current, hops = os.sep, 0
+    while todo:
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        step = os.path.join(current, part)
+        try:
+            st = os.lstat(step)
+        except OSError:
+            return None  # the rest does not exist yet: nothing to follow
+        if not stat.S_ISLNK(st.st_mode):
+            current = step
+            continue
+        if st.st_uid not in (os.geteuid(), 0):
+            return step
+        hops += 1
+        if hops > 40:
+            return None  # ELOOP: the open fails on its own
+        target = os.readlink(step)
+        todo[:0] = [p for p in target.split(os.sep) if p]
+        if os.path.isabs(target):
+            current = os.sep
+    return None
+
+
+def shared_folder(path: str) -> str | None:
+    """Why the folder `path` is in can be written by others (None when it cannot): anyone there
+    can plant a file or a link under a name kwarm will use, or (without the sticky bit) replace one."""
+    folder = os.path.dirname(os.path.realpath(path))
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    who = [w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if not who:
+        return None
+    sticky = " (sticky: others cannot replace your files, but can plant their own)" if st.st_mode & stat.S_ISVTX else ""
+    return f"its folder {printable(folder)} is writable by {' and '.join(who)}{sticky}"
+
+
+def _refuse_foreign_link(path: str, what: str) -> None:
+    link = foreign_link(path)
+    if link is not None:
+        raise BadManifest(f"refused to {what} {printable(path)}: {printable(link)} is a symbolic link of another "
+                          f"user (uid {os.lstat(link).st_uid})")
+
+
 def read_trusted(path: str) -> str:
     """The file's text, if it passes :func:`untrusted_reason` (checked before opening, so that
     no FIFO or device is ever opened, and again on the opened file, so that a swap between the
-    check and the read is impossible). FileNotFoundError passes through."""
+    check and the read is impossible), and not through another user's symbolic link
+    (:func:`foreign_link`). FileNotFoundError passes through."""
+    _refuse_foreign_link(path, "read")
     fd = _open_checked(path)
     reason = untrusted_reason(os.fstat(fd))
     if reason:
@@ -95,7 +153,9 @@ def _open_checked(path: str) -> int:
 
 def check_writable_target(path: str) -> None:
     """Raise :class:`BadManifest` unless `path` is absent or a regular file this user owns:
-    a save never replaces a device, a FIFO, a directory, a symbolic link or another user's file."""
+    a save never replaces a device, a FIFO, a directory, a symbolic link or another user's file,
+    nor writes through another user's symbolic link to a folder (:func:`foreign_link`)."""
+    _refuse_foreign_link(path, "write")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -108,9 +168,29 @@ def check_writable_target(path: str) -> None:
         raise BadManifest(f"refused to replace {printable(path)}: owned by uid {st.st_uid}, not this user")
 
 
-def load(path: str) -> Manifest:
-    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`."""
-    return parse(read_trusted(path))
+_kept: tuple | None = None  # (path, the file's identity, its Manifest): load(keep=True)
+
+
+def load(path: str, keep: bool = False) -> Manifest:
+    """Read and validate `path`. Raises FileNotFoundError or :class:`BadManifest`.
+
+    `keep`: the parse is kept for the next load of the same unchanged file (device, inode, size,
+    modification time), which takes it instead of parsing again: replay keeps it when this process
+    learns, and the learner's load takes it (issue 59: one start parsed the file twice, up to 20 s
+    and 368 MB each at 64 MiB). Only readers keep: a save merges into what it loads."""
+    global _kept
+    try:
+        st = os.stat(path)
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        identity = None
+    kept, _kept = _kept, None
+    if identity is not None and kept is not None and kept[:2] == (path, identity):
+        return kept[2]
+    data = parse(read_trusted(path))
+    if keep and identity is not None:
+        _kept = (path, identity, data)
+    return data
 
 
 def read_token_counts(path: str, stamp: Stamp) -> list:
@@ -131,9 +211,10 @@ class SaveResult:
     path: str
     added: int
     total: int
-    note: str | None = None  # why an existing file was replaced rather than merged
+    note: str | None = None  # why an existing file was replaced (or kept aside) rather than merged
     step_sizes: int = 0  # learned step sizes in the file (not in `total`)
     new_step_sizes: int = 0  # of them, added by this save (in `added`)
+    left_out: tuple = ()  # what the merge did not keep, one line each (Manifest.left_out)
 
 
 def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surfaces=None) -> SaveResult:
@@ -142,8 +223,11 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surf
 
     Several TP ranks and processes may call this at once: the read-merge-write runs under an
     exclusive ``flock`` on ``<path>.lock``, and readers only ever see a complete file. An
-    existing file that is unreadable, untrusted or stamped for another Triton/GPU is
-    replaced (and said so in ``note``), never merged."""
+    existing file stamped for another Triton/GPU is replaced; one that cannot be read (not
+    valid, past a bound, untrusted) is first kept aside as ``<path>.unreadable.<time>`` (issue 59:
+    a learner replaced the 2,200 entries it could not read with the one it had learned); both
+    are said in ``note``, never merged. What the merge leaves out (past MAX_ENTRIES, another
+    library version's items) is in ``left_out``."""
     directory = os.path.dirname(os.path.abspath(path))
     check_writable_target(path)  # before the lock: no <dir>.lock beside a directory
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -156,7 +240,7 @@ def save(path: str, stamp: Stamp, entries=(), autotune=(), token_counts=(), surf
         if added or note or not os.path.exists(path):
             _write_atomic(path, current.as_json())
     return SaveResult(path, added, len(current.entries) + len(current.autotune) + current.surface_items(), note,
-                      len(current.token_counts), len(current.token_counts) - counts_before)
+                      len(current.token_counts), len(current.token_counts) - counts_before, tuple(current.left_out))
 
 
 def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
@@ -165,12 +249,26 @@ def _existing(path: str, stamp: Stamp) -> tuple[Manifest, str | None]:
     except FileNotFoundError:
         return Manifest(stamp), None
     except BadManifest as exc:
-        return Manifest(stamp), f"replaced an unusable manifest ({exc})"
+        aside = _keep_aside(path)
+        return Manifest(stamp), f"could not read the manifest ({exc}); kept it aside as {printable(aside)} and started a new one"
     why = current.stamp.incompatibility(stamp)
     if why:
         return Manifest(stamp), f"replaced a manifest {why}"
     current.stamp = stamp
     return current, None
+
+
+def _keep_aside(path: str) -> str:
+    """Rename the unreadable manifest at `path` to a free ``<path>.unreadable.<time>`` beside it
+    (the caller holds the lock; check_writable_target passed: a regular file of this user), so
+    that no save ever replaces what it could not read. Returns the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for n in range(100):
+        aside = f"{path}.unreadable.{stamp}" + (f".{n}" if n else "")
+        if not os.path.lexists(aside):
+            os.rename(path, aside)
+            return aside
+    raise BadManifest(f"cannot keep the unreadable {printable(path)} aside: too many kept already; not saved")
 
 
 def _dumps(obj: dict) -> str:
@@ -224,13 +322,15 @@ def _locked(lock_path: str):
 
 
 def _remove_stale_temporaries(path: str) -> None:
-    """Delete this user's ``.<name>.*.tmp`` files beside `path`: under the lock no save is
-    writing one, so they are what a killed save left."""
+    """Delete this user's ``.<name>.<random>.tmp`` files beside `path` (what :func:`write_atomic`
+    names them: no dot in ``<random>``): under the lock no save is writing one, so they are what a
+    killed save left. Another file's temporary (``.<name>.report.<random>.tmp`` of a report
+    ``<name>.report`` beside it, written without this lock) is not one of them (issue 59)."""
     directory, name = os.path.split(os.path.abspath(path))
-    prefix = f".{name}."
+    mine = re.compile(re.escape(f".{name}.") + r"[A-Za-z0-9_]+\.tmp")
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
+            if mine.fullmatch(entry.name):
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
@@ -245,6 +345,10 @@ def _write_atomic(path: str, obj: dict) -> None:
     if size > manifest.MAX_BYTES:
         raise BadManifest(f"not written: it would be {size / (1 << 20):.1f} MiB, more than the "
                           f"{manifest.MAX_BYTES >> 20} MiB a manifest may be read at")
+    count = manifest.containers(text)
+    if count > manifest.MAX_CONTAINERS:  # issue 59: 2,200 entries of a 60-argument kernel held 420,205
+        raise BadManifest(f"not written: it would hold {count} JSON objects and arrays, more than the "
+                          f"{manifest.MAX_CONTAINERS} a manifest may be read with")
     write_atomic(path, text)
 
 

@@ -53,6 +53,8 @@ done
 
 echo "== pytest"
 export CUDA_VISIBLE_DEVICES=""
+# everything above is installed: a missing vLLM, Triton, FlashInfer or Ray (or release) fails, not skips
+export KWARM_TEST_REQUIRE=${KWARM_TEST_REQUIRE:-1}
 export HUMMING_DISABLE_PARALLEL_BUILD=1   # vLLM 0.33's import would build humming's launcher in the background
 # the pytest script, not `python -m pytest`: the latter puts this folder first on sys.path, and
 # the source kwarm_ext (without kwarm_ext.kernels) would shadow the installed one.

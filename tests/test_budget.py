@@ -1,6 +1,9 @@
 """KWARM_BUDGET: parsing, the seconds it gives, and learning the step sizes eager_gemm warms exactly."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import types
 
 import pytest
@@ -108,8 +111,16 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
 
 
 def test_process_age_is_this_process():
-    age = budget.process_age_s()
-    assert age is not None and 0 <= age < 24 * 3600
+    """The age of the process that asks, not of the machine or a parent (issue 59: any age under a
+    day passed): a child asks after 1.5 s of its own life."""
+    code = "import time; time.sleep(1.5); from kwarm_ext import budget; print(budget.process_age_s())"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    lived = time.monotonic() - t0
+    age = float(proc.stdout.strip().splitlines()[-1])
+    assert 1.4 <= age <= lived + 0.1, (age, lived)  # /proc's clock ticks are 10 ms
+    mine = budget.process_age_s()
+    assert mine is not None and mine > lived, "this test process started before the child"
 
 
 # ---------------------------------------------------------------------------- learned step sizes

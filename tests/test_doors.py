@@ -188,6 +188,21 @@ def test_plugin_door_through_vllms_loader():
     assert result == {"sources": ["plugin"], "patched": True}
 
 
+def test_plugin_door_stays_shut_without_kwarm_enable():
+    """vLLM loads the plugin in every process it starts: without KWARM_ENABLE it must do nothing
+    (issue 59: removing activation's gate was caught only by a Ray test)."""
+    code = """
+    import json
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    import vllm.v1.worker.gpu_worker as g
+    from kwarm_ext import activation, patches
+    print(json.dumps({"sources": activation.SOURCES, "active": activation._active, "patched": patches.is_patched(g)}))
+    """
+    result = last_json(run_py(code, env=clean_env(CUDA_VISIBLE_DEVICES="")))
+    assert result == {"sources": [], "active": False, "patched": False}
+
+
 def test_plugin_respects_vllm_plugins_filter():
     code = """
     import os, json

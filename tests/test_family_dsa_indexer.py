@@ -155,9 +155,18 @@ def test_block_size_and_table_are_the_real_ones(release):
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_no_step_fails(release):
-    for plan, planned in scenario(release)["plans"].items():
+    """Every planned step either ran, with labels and the launches its run made, or was skipped with a
+    reason (issue 59: ``error is None`` alone passed a step that silently did nothing)."""
+    plans = scenario(release)["plans"]
+    assert plans
+    for plan, planned in plans.items():
+        assert planned, plan
         for step in planned:
             assert step["error"] is None, (plan, step)
+            if step["skip"] is None:
+                assert step["labels"] and step["launches"], (plan, step)
+            else:
+                assert isinstance(step["skip"], str) and step["skip"].strip(), (plan, step)
 
 
 def test_unexpected_planning_error_fails_its_steps_only():

@@ -171,12 +171,36 @@ print("RESULT " + json.dumps({str(v): [fam.reachable(k, v) for k in keys] for v 
     assert got["no_logits"]
 
 
-def test_processed_logprobs_mode_also_warms_fp32_and_max_logprobs_bounds_the_classes():
-    run = _run(mode="processed_logprobs", max_logprobs=5, max_num_reqs=1)
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processed_logprobs_mode_also_warms_fp32_and_max_logprobs_bounds_the_classes(mode):
+    """Both processed modes return fp32 logprobs (issue 59: only processed_logprobs was tested)."""
+    run = _run(mode=mode, max_logprobs=5, max_num_reqs=1)
     assert {dtype for _, _, dtype in run["launched"]} == {"torch.bfloat16", "torch.float32"}
     assert {(b, c) for b, c, _ in run["launched"]} == {tuple(r) for r in run["reach"]}
     # one request at most: no batch of two is sent
     assert [c["n"] for c in run["calls"]] == [1, 1, 1, 1]
+
+
+def test_compile_ahead_compiles_only_the_keys_the_vocabulary_can_reach():
+    """``compile_ahead`` itself leaves out the keys :func:`reachable` refuses (issue 59: the registry
+    test stubs keys that carry no logits, so removing the filter passed it). vLLM's real
+    TritonCompileKey and TritonWarmupTensor; the dispatcher records what it is asked to compile."""
+    got = result_of(run_py(r"""
+import json, types, torch
+from kwarm_ext.kernels import sampler as fam
+from vllm.model_executor.warmup.jit_warmup_triton_helper import TritonCompileKey, TritonWarmupTensor
+def key(stride, i):
+    return TritonCompileKey(frozenset({i}), (("logits", TritonWarmupTensor(torch.float32, shape=(4, 129280),
+                                                                          strides=(stride, 1))), ("k", None)))
+compiled = []
+dispatcher = types.SimpleNamespace(get_warmup_keys=lambda vllm_config: [key(16, 0), key(2, 1), key(129280, 2), key(129283, 3)],
+                                   compile=lambda k: compiled.append(sorted(k.jit_keys)))
+config = types.SimpleNamespace(model_config=types.SimpleNamespace(get_vocab_size=lambda: 129280))
+labels = fam.compile_ahead([("_topk_topp", dispatcher)], config, 1)
+print("RESULT " + json.dumps({"compiled": len(compiled), "labels": labels[:2]}))
+""", release="0.33.0", env=cpu_triton_env()))
+    assert got["compiled"] == 2
+    assert got["labels"] == ["_topk_topp: 2 keys", "2 keys of a logits row stride this vocabulary (129280) never has"]
 
 
 def test_applies_only_to_a_v2_runner_with_a_sampler():

@@ -83,3 +83,15 @@ def test_runs_vllms_own_warmup_kernels_only_where_vllm_did_not(release):
     assert out["calls_after"] == 0
     assert out["forced"]["steps"] == [["ran", ["prefill and decode steps"]]]
     assert out["forced_graphs"]["steps"][0][0] == "skipped"
+
+
+@pytest.mark.parametrize("eager, mode, nothing", [(True, "NONE", True), (True, "FULL_AND_PIECEWISE", True),
+                                                  (False, "NONE", True), (False, None, True),
+                                                  (False, "FULL_AND_PIECEWISE", False), (None, "PIECEWISE", False)])
+def test_no_graph_was_captured_when_either_eager_or_mode_none(eager, mode, nothing):
+    """All four corners of ``enforce_eager`` x cudagraph mode (issue 59: the scenario above covers two,
+    and turning the rule's ``or`` into ``and`` passed it)."""
+    from kwarm_ext.engine import EngineView
+    from kwarm_ext.kernels import v2_warmup
+
+    assert v2_warmup.captured_nothing(EngineView(enforce_eager=eager, cudagraph_mode=mode)) is nothing

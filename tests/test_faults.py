@@ -14,9 +14,10 @@ import types
 
 import pytest
 
+from conftest import require
 from kwarm_ext import families, patches, warmup
 
-gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
+gpu_worker = require("vllm.v1.worker.gpu_worker")
 
 
 class _Group:

@@ -7,9 +7,9 @@ import logging
 import pytest
 import wrapt
 
-from conftest import MATRIX, clean_env, cpu_triton_env, run_py
+from conftest import MATRIX, clean_env, cpu_triton_env, require, run_py
 
-gpu_worker = pytest.importorskip("vllm.v1.worker.gpu_worker")
+gpu_worker = require("vllm.v1.worker.gpu_worker")
 
 
 @pytest.fixture

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run_py
+from conftest import clean_env, require, run_py
 from kwarm_ext import config, manifest, manifest_files
 from kwarm_ext.surfaces.triton import learn
 from kwarm_ext.surfaces.triton import replay
 from kwarm_ext.manifest import BadManifest, Entry, Stamp, TuneChoice
 
-triton = pytest.importorskip("triton")
+triton = require("triton")
 import replay_kernels as rk  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -206,7 +206,7 @@ def test_files_owned_by_another_user_are_refused(tmp_path):
 
 def test_a_directory_is_refused(tmp_path):
     (tmp_path / "d.json").mkdir()
-    with pytest.raises(BadManifest):
+    with pytest.raises(BadManifest, match="^refused: not a regular file$"):
         manifest_files.load(str(tmp_path / "d.json"))
 
 
@@ -319,7 +319,7 @@ def test_malformed_entries_are_one_line_per_file_and_the_rest_replays(tmp_path, 
 
 
 def test_engine_starts_with_a_bad_manifest(tmp_path, kwarm_env, kwarm_log, fake_driver):
-    pytest.importorskip("vllm")
+    require("vllm")
     from kwarm_ext import warmup
 
     path = tmp_path / "m.json"
@@ -363,9 +363,12 @@ def test_save_replaces_an_incompatible_or_unusable_file(tmp_path):
     result = manifest_files.save(str(path), STAMP, [entry(block=64)])
     assert "replaced a manifest recorded with Triton 3.4.0" in result.note and result.total == 1
     path.chmod(0o666)
+    before = path.read_text()
     result = manifest_files.save(str(path), STAMP, [entry(block=32)])
-    assert "replaced an unusable manifest (refused: writable by group and others" in result.note
+    assert "could not read the manifest (refused: writable by group and others" in result.note
     assert [e.key for e in manifest_files.load(str(path)).entries] == [entry(block=32).key]
+    aside = [p for p in tmp_path.iterdir() if ".unreadable." in p.name]
+    assert len(aside) == 1 and aside[0].read_text() == before and str(aside[0]) in result.note, "kept, not replaced"
 
 
 WRITER = """

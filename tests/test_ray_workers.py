@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from conftest import clean_env, result_of, run_py
+from conftest import clean_env, require, result_of, run_py
 
 LAUNCHER = r'''
 import json, os
@@ -111,7 +111,7 @@ def ray_cluster():
     import tempfile
     from pathlib import Path
 
-    pytest.importorskip("ray")  # tests/run.sh installs it
+    require("ray")  # tests/run.sh installs it
     ray_cli = Path(sys.executable).with_name("ray")
     temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")  # Ray's socket paths must stay short
     port = free_port()

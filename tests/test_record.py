@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run_py
+from conftest import clean_env, require, run_py
 
-knobs = pytest.importorskip("triton.knobs")
+knobs = require("triton.knobs")
 from kwarm_ext.surfaces.triton import learn
 from kwarm_ext.surfaces.triton import hook
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, run_py
+from conftest import clean_env, require, run_py
 
-pytest.importorskip("triton")
-pytest.importorskip("vllm")
+require("triton")
+require("vllm")
 TESTS = Path(__file__).resolve().parent
 
 PRELUDE = """

@@ -9,18 +9,19 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, require
 from kwarm_ext import config, manifest, manifest_files, warmup
 from kwarm_ext.surfaces.triton import replay
 from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.manifest import BadManifest, Stamp
 
-triton = pytest.importorskip("triton")
+triton = require("triton")
 from test_manifest import ALLOWED, OPTIONS, STAMP, entry, fake_driver, warnings_of, write  # noqa: E402,F401
 
 ROOT = os.geteuid() == 0
@@ -62,6 +63,20 @@ def test_2_tagged_objects_do_not_pass_for_a_plain_constant(tmp_path, tagged):
     liar.spec["constant_vals"] = [tagged]  # the key says BLOCK=128
     data = manifest_files.load(str(write(tmp_path / "m.json", [liar])))
     assert data.entries == [] and "but the key says 128" in data.problems[0][1], data.problems
+
+
+@pytest.mark.parametrize("recorded, usable", [(1, True), (True, False), (1.0, False), ("1", False), (None, False)])
+def test_a_constant_must_be_the_keys_value_kind_for_kind(recorded, usable):
+    """``true`` == 1 in Python: a constant of another kind than the key's would file a kernel under
+    another specialization's key (issue 59: dropping the kind check was caught by no test)."""
+    key = entry().key.replace("('constexpr', 128)", "('constexpr', 1)")
+    raw = manifest.Manifest(STAMP, [entry()]).as_json()
+    raw["entries"][0].update(key=key)
+    raw["entries"][0]["spec"]["constant_vals"] = [recorded]
+    data = manifest.parse(json.dumps(raw))
+    assert bool(data.entries) is usable, (recorded, data.problems)
+    if not usable:
+        assert data.problems[0][1] == f"malformed: constant 3 is {recorded!r} but the key says 1"
 
 
 def test_12_negative_zero_is_not_zero(tmp_path):
@@ -568,7 +583,8 @@ def test_5_an_entry_still_compiling_past_the_bound_is_skipped_unwaited(tmp_path,
     state = replay.prepare(str(path), STAMP, ALLOWED)
     state.threads = 1  # one thread: bounded too (the bound needs the pool)
     assert len(replay.compile_entries(state)) == 3 and state.skipped == []
-    assert isinstance(triton_compile.CompileTimedOut(1.0), Exception)
+    # what a timed-out entry says, and that the replay's total bound did not end these compiles
+    assert str(triton_compile.CompileTimedOut(0.001)) == "still compiling after 0.001 s" and state.out_of_time == 0
 
 
 def test_5_the_bounded_pool_fails_a_late_job_at_once_and_does_not_wait_for_it():
@@ -592,3 +608,307 @@ def test_5_the_bounded_pool_fails_a_late_job_at_once_and_does_not_wait_for_it():
     assert quick.result() == "kernel"
     assert elapsed < 10, "the block did not wait for the late job"
     release.set()
+
+
+# ---------------------------------------------------------------------------- issue 59, third round
+
+def test_59_2_systemexit_in_a_step_is_one_warning_and_keyboardinterrupt_still_stops(kwarm_log):
+    """Hole 2: kwarm's guards caught Exception only, and a script a manifest made kwarm import called
+    ``sys.exit(2)``: the worker ended. A SystemExit in a step is contained like an error; a real
+    Ctrl-C (KeyboardInterrupt) still stops the engine."""
+    from kwarm_ext.log import fail_open
+
+    def exits():
+        sys.exit(2)
+
+    with pytest.raises(warmup.StepFailed, match="SystemExit: 2"):
+        warmup.guarded("replay: flashinfer", exits)
+    assert kwarm_log.messages() == ["kwarm: replay: flashinfer failed, skipped: SystemExit: 2"]
+    with pytest.raises(KeyboardInterrupt):
+        with fail_open("a step"):
+            raise KeyboardInterrupt
+    assert len(kwarm_log.messages()) == 1, "a Ctrl-C is no warning: it propagates"
+
+
+def test_59_2_a_kernel_module_that_exits_as_it_is_imported_is_unresolvable(tmp_path, monkeypatch):
+    pkg = tmp_path / "exitpkg59"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "k.py").write_text("import sys, triton\n@triton.jit\ndef kernel(x):\n    pass\nsys.exit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(triton_compat.Unresolvable, match="cannot import exitpkg59.k: SystemExit: 2"):
+        triton_compat.resolve("exitpkg59.k", "kernel")
+
+
+def test_59_4_the_whole_replay_is_bounded_and_what_is_left_is_one_line(tmp_path, kwarm_log, fake_driver, monkeypatch):
+    """Hole 4: the bound on one entry did not bound the start (40 entries that never finish, 0.5 s, 2
+    threads: 10.1 s; with Triton 3.5's sequential compile, no bound at all). The replay's total bound
+    (KWARM_REPLAY_LIMIT) ends the step at its deadline whatever the compile path; a compile that never
+    returns (a stand-in for Triton's, in the compile loop's own thread) is left behind, unwaited."""
+    from kwarm_ext.surfaces.triton import preload as triton_preload
+
+    import torch
+
+    release = threading.Event()
+    started, devices = [], []
+    monkeypatch.setattr(triton_preload, "preload", lambda job: started.append(job) or release.wait(30))
+    # a TP rank's device (no GPU here): the compile loop's thread takes it before it compiles anything
+    monkeypatch.setattr(triton_preload, "_current_cuda_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((d, threading.current_thread().name)))
+    path = write(tmp_path / "m.json", [entry(block=b) for b in range(16, 56)])
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    assert len(state.jobs) == 40
+    state.limit_s, state.threads = 0.5, 2
+    t0 = time.monotonic()
+    assert replay.compile_entries(state) == []
+    assert time.monotonic() - t0 < 3, "the replay's deadline ended the step"
+    assert len(started) == 1 and state.out_of_time == 40 and {s.kind for s in state.skipped} == {"out of time"}
+    assert devices == [(3, "kwarm-replay-loop")], devices
+    assert kwarm_log.messages() == ["kwarm: replay reached its total bound of 0.5 s (KWARM_REPLAY_LIMIT): "
+                                    "40 Triton entries left to the requests"]
+    assert "40 skipped (out of time: 40)" in state.summary() and state.details()["out_of_time"] == 40
+    release.set()
+    assert config.parse({"KWARM_REPLAY_LIMIT": "5"}, known_families=()).replay_limit == 5.0
+    assert config.parse({}, known_families=()).replay_limit == config.DEFAULT_REPLAY_LIMIT == 600.0
+    assert config.parse({"KWARM_REPLAY_LIMIT": "-1"}, known_families=()).problems == (
+        "KWARM_REPLAY_LIMIT='-1' is invalid (expected a number of seconds from 0 to 86400); using the default '600'",)
+
+
+def test_59_4_the_bounded_pool_fails_every_job_at_the_deadline_and_leaves_few_threads_behind():
+    """The executor behind both bounds, on Triton's real AsyncCompileMode: at the deadline every job not
+    finished fails with OutOfTime and none is started after it; past the bound on one entry, at most
+    2 x threads workers are left behind (40 slow entries had left 42 threads), the rest fail at once."""
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    release = threading.Event()
+
+    def slow():
+        release.wait(30)
+        return "late"
+
+    pool = triton_compile.BoundedCompiles(2, 30.0, deadline=time.monotonic() + 0.3)
+    t0 = time.perf_counter()
+    with triton.AsyncCompileMode(pool, ignore_errors=True) as mode:
+        futures = [mode.submit(f"slow{i}", slow, lambda kernel: None) for i in range(5)]
+    pool.shutdown()
+    assert time.perf_counter() - t0 < 5
+    for future in futures:
+        with pytest.raises(triton_compile.OutOfTime):
+            future.result()
+
+    pool = triton_compile.BoundedCompiles(2, 0.05)
+    with triton.AsyncCompileMode(pool, ignore_errors=True) as mode:
+        futures = [mode.submit(f"slow{i}", slow, lambda kernel: None) for i in range(40)]
+    pool.shutdown()
+    assert pool.abandoned <= 4, pool.abandoned
+    errors = [type(f.future.exception()) for f in futures]
+    assert set(errors) == {triton_compile.CompileTimedOut, triton_compile.OutOfTime}
+    assert errors.count(triton_compile.CompileTimedOut) <= 4
+    assert isinstance(triton_compile.OutOfTime(), Exception) and not isinstance(triton_compile.OutOfTime(), KeyboardInterrupt)
+    release.set()
+
+
+def test_59_3_save_never_writes_what_load_refuses_and_a_learner_keeps_an_unreadable_file_aside(tmp_path, monkeypatch):
+    """Hole 3: saving checked bytes, not the container count load enforces: a learned file of 420,205
+    JSON objects and arrays (cap 400,000) was refused by the next load, and the next save replaced its
+    2,200 entries with the 1 that run learned."""
+    path = tmp_path / "m.json"
+    manifest_files.save(str(path), STAMP, [entry(block=16)])
+    before = path.read_text()
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", manifest.containers(before) + 5)  # one more entry does not fit
+    with pytest.raises(BadManifest, match=r"not written: it would hold \d+ JSON objects and arrays, more than the \d+"):
+        manifest_files.save(str(path), STAMP, [entry(block=32)])
+    assert path.read_text() == before and len(manifest_files.load(str(path)).entries) == 1
+
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", manifest.containers(before) - 1)  # the file no longer loads
+    with pytest.raises(BadManifest, match="JSON objects and arrays, more than a manifest holds"):
+        manifest_files.load(str(path))
+    monkeypatch.setattr(manifest, "MAX_CONTAINERS", 400_000)
+    path.write_text(before.replace('"entries": [', '"entries": [[', 1))  # a file this kwarm cannot read
+    unreadable = path.read_text()
+    result = manifest_files.save(str(path), STAMP, [entry(block=64)])
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("m.json.unreadable.")]
+    assert len(aside) == 1 and aside[0].read_text() == unreadable, "kept, not replaced"
+    assert result.note.startswith("could not read the manifest (not valid JSON") and \
+        f"kept it aside as {aside[0]} and started a new one" in result.note
+    assert [e.key for e in manifest_files.load(str(path)).entries] == [entry(block=64).key]
+
+
+def test_59_3_a_learner_says_it_kept_the_unreadable_manifest_aside(tmp_path, kwarm_log):
+    from kwarm_ext.surfaces.triton import learn
+
+    path = tmp_path / "m.json"
+    path.write_text("{not json")
+    path.chmod(0o600)
+    learner = learn.Learner(str(path), STAMP, learn.Recorder(ALLOWED), 0)
+    learner.recorder.give_back([entry(block=32)])
+    learner.save_quietly("exit")
+    warnings = kwarm_log.messages()
+    assert len(warnings) == 1 and "could not read the manifest (not valid JSON" in warnings[0] \
+        and "kept it aside as" in warnings[0], warnings
+    assert [p.read_text() for p in tmp_path.iterdir() if ".unreadable." in p.name] == ["{not json"]
+
+
+def test_59_7_the_entry_cap_is_kept_on_save_and_said(tmp_path, monkeypatch, capsys):
+    """Hole 7: entries past MAX_ENTRIES were saved, then dropped silently by the next load."""
+    from kwarm_ext import manifest_cli
+
+    monkeypatch.setattr(manifest, "MAX_ENTRIES", 3)
+    path = tmp_path / "m.json"
+    result = manifest_files.save(str(path), STAMP, [entry(block=b) for b in (16, 32, 64, 128, 256)])
+    assert result.added == 3 and result.left_out == ("2 new entries left out: a manifest keeps at most 3",)
+    data = manifest_files.load(str(path))
+    assert len(data.entries) == 3 and data.problems == []
+    other = write(tmp_path / "o.json", [entry(block=512)], mode=0o600)
+    assert manifest_cli.merge([str(path), str(other)], str(tmp_path / "out.json")) == 1
+    assert "1 new entries left out: a manifest keeps at most 3" in capsys.readouterr().out
+
+
+def test_59_12_a_save_leaves_other_files_temporaries_alone(tmp_path):
+    """Hole 12: the cleanup of a killed save's temporaries of m.json also deleted those of a report
+    m.json.report written beside it (443 of 781 report writes failed)."""
+    report_tmp = tmp_path / ".m.json.report.k3j_x9a2.tmp"  # what write_atomic names the report's
+    report_tmp.write_text("")
+    other = tmp_path / ".m.json.x.abcd1234.tmp"
+    other.write_text("")
+    stale = tmp_path / ".m.json.ab12cd_3.tmp"
+    stale.write_text("")
+    manifest_files.save(str(tmp_path / "m.json"), STAMP, [entry()])
+    assert report_tmp.exists() and other.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize("var, value", [("KWARM_WARMUPS", "runner,x\nWARNING kwarm: forged"),
+                                        ("KWARM_ALLOW_MODULES", "vllm.,x\nWARNING kwarm: forged\x1b[2J")])
+def test_59_10_a_newline_in_a_setting_forges_no_log_line(var, value):
+    """Hole 10: the names a problem line quotes from KWARM_WARMUPS or KWARM_ALLOW_MODULES reached the
+    log raw; a newline in them printed a line of its own."""
+    problems = config.parse({var: value}, known_families=("runner",)).problems
+    assert len(problems) == 1 and "forged" in problems[0], problems
+    assert not any(ch in problems[0] for ch in "\n\r\x1b"), repr(problems[0])
+
+
+def test_59_14_kwarm_doctor_prints_cache_file_names_escaped(tmp_path):
+    """Hole 14: ``kwarm doctor`` printed the names of the files in kwarm's cache folder raw."""
+    folder = tmp_path / "xdg" / "kwarm"
+    folder.mkdir(parents=True)
+    (folder / "m\x1b[2J\x07.json").write_text("{}")
+    proc = kwarm_cli("doctor", timeout=300, env=clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "m\\x1b[2J\\x07.json" in proc.stdout and "\x1b" not in proc.stdout and "\x07" not in proc.stdout
+
+
+def test_59_14_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """``kwarm manifest show | head``: the command ended in a BrokenPipeError traceback."""
+    path = write(tmp_path / "m.json", [entry(block=b) for b in range(16, 2016)], mode=0o600)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kwarm_ext import cli; sys.exit(cli.entry())",
+                             "manifest", "show", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd="/", env=clean_env())
+    assert proc.stdout.readline().decode().strip() == str(path)
+    proc.stdout.close()  # what head does after its lines
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and stderr == "", stderr
+
+
+def test_59_14_kwarm_run_from_a_source_checkout_puts_only_sitecustomize_first(tmp_path, monkeypatch):
+    """With an editable install ``kwarm run`` put the repository root first on PYTHONPATH: its setup.py
+    shadowed a user's ``import setup``. The bootstrap folder holds kwarm's sitecustomize.py alone."""
+    from kwarm_ext import activation
+
+    checkout = tmp_path / "repo"
+    (checkout / "kwarm_ext").mkdir(parents=True)
+    (checkout / "sitecustomize.py").write_text("# kwarm's bootstrap\n")
+    (checkout / "setup.py").write_text("raise SystemExit('the checkout was on the path')\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    boot = activation.bootstrap_dir(str(checkout / "kwarm_ext"))
+    assert boot == str(tmp_path / "xdg" / "kwarm" / "bootstrap") and os.listdir(boot) == ["sitecustomize.py"]
+    assert Path(boot, "sitecustomize.py").read_text() == "# kwarm's bootstrap\n"
+    assert activation.bootstrap_dir(str(checkout / "kwarm_ext")) == boot, "the same folder every time"
+    installed = activation.bootstrap_dir()  # the installed kwarm (tests/run.sh installs it): its own folder
+    assert installed.endswith(os.path.join("kwarm_ext", "_bootstrap"))
+
+
+@needs_root
+def test_59_11_another_users_link_in_a_shared_folder_is_not_followed(tmp_path, kwarm_log, fake_driver):
+    """Hole 11: a link planted by another user in a shared folder was followed for the manifest and for
+    the report's folder, and nothing said the folder was writable by others."""
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o1777)
+    victim.mkdir(mode=0o700)
+    target = write(victim / "m.json", [entry()], mode=0o600)
+    planted = shared / "m.json"
+    os.symlink(target, planted)
+    os.lchown(planted, 65534, 65534)
+    with pytest.raises(BadManifest, match=f"refused to read {planted}: {planted} is a symbolic link of another user"):
+        manifest_files.load(str(planted))
+    state = replay.prepare(str(planted), STAMP, ALLOWED)
+    assert state.jobs == [] and "a symbolic link of another user (uid 65534)" in state.refused
+    os.symlink(victim, shared / "reports")  # the report's folder, through another user's link
+    os.lchown(shared / "reports", 65534, 65534)
+    with pytest.raises(BadManifest, match="refused to write .*reports is a symbolic link of another user"):
+        warmup.write_report({"ok": 1}, str(shared / "reports" / "r.json"), 0)
+    with pytest.raises(BadManifest, match="symbolic link of another user"):
+        manifest_files.save(str(shared / "reports" / "m2.json"), STAMP, [entry()])
+    assert sorted(os.listdir(victim)) == ["m.json"], "nothing written through the links"
+    mine = tmp_path / "mine.json"
+    os.symlink(target, mine)  # a link of this user's is followed
+    assert len(manifest_files.load(str(mine)).entries) == 1
+
+    kwarm_log.records.clear()
+    in_shared = write(shared / "own.json", [entry()], mode=0o600)
+    state = replay.prepare(str(in_shared), STAMP, ALLOWED)
+    assert state.refused is None and len(state.jobs) == 1
+    assert kwarm_log.messages() == [f"kwarm: manifest {in_shared}: its folder {shared} is writable by group and others "
+                                    "(sticky: others cannot replace your files, but can plant their own); keep "
+                                    "manifests in a folder only you can write"]
+
+
+def test_59_8_a_start_that_replays_and_learns_parses_the_manifest_once(tmp_path, monkeypatch, fake_driver):
+    """Hole 8: a learning start loaded the manifest twice (replay, then the learner); at 64 MiB each load
+    cost 19.8 s and 368 MB. Reads are now at most 16 MiB (README: what that costs), and the learner
+    takes the parse replay kept when the file did not change."""
+    assert manifest.MAX_BYTES == 16 << 20
+    path = str(write(tmp_path / "m.json", [entry()], mode=0o600))
+    parses = []
+    real = manifest_files.parse
+    monkeypatch.setattr(manifest_files, "parse", lambda text: parses.append(1) or real(text))
+    monkeypatch.setenv("KWARM_LEARN", "1")
+    config.reset()
+    try:
+        replay.prepare(path, STAMP, ALLOWED)
+        from kwarm_ext.surfaces.triton import learn
+
+        known = learn._known_manifest(path, STAMP)
+        assert len(known.entries) == 1 and len(parses) == 1, "the learner took replay's parse"
+        manifest_files.load(path)
+        assert len(parses) == 2, "taken once: a later load reads the file again"
+        manifest_files.load(path, keep=True)
+        os.utime(path, ns=(1, 1))  # the file changed: its parse is not reused
+        manifest_files.load(path)
+        assert len(parses) == 4
+    finally:
+        config.reset()
+
+
+def test_59_4_a_failure_of_the_compile_loop_is_one_warning_and_strict_raises_it(tmp_path, kwarm_log, fake_driver,
+                                                                               monkeypatch):
+    """The loop runs in a thread of its own: its failure still reaches kwarm's policy in the step's thread."""
+    from kwarm_ext.surfaces.triton import compile as triton_compile
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no pool")
+
+    monkeypatch.setattr(triton_compile, "parallel_compiles", broken)
+    path = write(tmp_path / "m.json", [entry(block=32)])
+    state = replay.prepare(str(path), STAMP, ALLOWED)
+    assert replay.compile_entries(state) == [] and state.out_of_time == 0
+    assert [(s.kind, s.reason) for s in state.skipped] == [("compile failed", "the compile loop failed: RuntimeError")]
+    assert kwarm_log.messages() == ["kwarm: replay's compile loop failed: RuntimeError: no pool"]
+    monkeypatch.setenv("KWARM_STRICT", "1")
+    config.reset()
+    try:
+        with pytest.raises(RuntimeError, match="no pool"):
+            replay.compile_entries(replay.prepare(str(path), STAMP, ALLOWED))
+    finally:
+        monkeypatch.delenv("KWARM_STRICT")
+        config.reset()

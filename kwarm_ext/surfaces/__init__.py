@@ -10,7 +10,8 @@ and answers four questions (:class:`Surface`):
 - **what it records**: ``item(built)``, the JSON a manifest keeps of one build (None: not
   replayable, e.g. arguments that are no plain values);
 - **its key**: ``key(item)``, what makes two records the same build (merge deduplicates on it);
-- **how it replays**: ``replay(items, version)`` builds or loads them again at the next start.
+- **how it replays**: ``replay(items, version, deadline)`` builds or loads them again at the next start
+  (``problem(item)``: what ``kwarm manifest verify`` says replay would refuse).
 
 ``parse_item(raw)`` checks one item of an untrusted manifest (a ``ValueError`` drops it with its
 reason). Adding a surface is adding a module and naming it in :data:`NAMES`.
@@ -53,7 +54,14 @@ class Surface:
     def parse_item(self, raw) -> dict:
         raise ValueError(f"{self.name} items are not kept in the surfaces section")
 
-    def replay(self, items: list, version: str | None) -> "Replayed":
+    def problem(self, item: dict) -> str | None:
+        """Why replay would refuse `item` on this installation, found without importing or building
+        anything (``kwarm manifest verify``); None when replay would call it."""
+        return None
+
+    def replay(self, items: list, version: str | None, deadline: float | None = None) -> "Replayed":
+        """Build or load `items`; what is not done by `deadline` (``time.monotonic()``, replay's
+        total bound) goes to ``Replayed.out_of_time``."""
         raise NotImplementedError
 
     def describe(self, item: dict) -> str:
@@ -66,6 +74,7 @@ class Replayed:
     def __init__(self):
         self.done: list = []
         self.skipped: list = []
+        self.out_of_time: list = []  # labels the deadline left out (the caller says them in one line)
 
     def summary(self) -> str:
         text = f"{len(self.done)} replayed"

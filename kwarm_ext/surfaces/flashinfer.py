@@ -17,12 +17,18 @@ each call is one :class:`kwarm_ext.monitor.Compiled` (``surface="flashinfer"``).
 
 A manifest is untrusted: replay calls only module-level ``get_*module*`` functions of ``flashinfer``
 modules, with plain arguments (strings without path separators), on the FlashInfer version the
-items were recorded with; every refusal is one line.
+items were recorded with; every refusal is one line. A getter's module is imported only when it is
+one of the installed FlashInfer's own library modules (:func:`getter_source_problem`): a regular
+package's ``.py`` file outside ``flashinfer/data`` whose source, parsed before anything of it runs,
+defines that getter at module level (issue 59: ``flashinfer/data`` ships CUTLASS and CCCL scripts
+importable as namespace packages, and an item naming one ran it at engine start).
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import json
+import os
 import logging
 import math
 import re
@@ -101,26 +107,97 @@ class FlashInferSurface(Surface):
                 raise ValueError(f"args: {why}")
         return {"getter": getter, "args": list(args), "module": module}
 
-    def replay(self, items, version):
+    def problem(self, item) -> str | None:
+        """Why replay would refuse `item` here without importing anything (``kwarm manifest verify``)."""
+        return getter_source_problem(item["getter"])
+
+    def replay(self, items, version, deadline=None):
+        """Each item's getter, on up to :data:`BUILD_THREADS` threads at once (FlashInfer locks each
+        module's build, and its getters' caches are thread-safe), until `deadline`: an item not
+        started by then is left out, one still building goes on unwaited in its daemon thread
+        (issue 59: items were built one after another with no bound, two of 45 s took 90.7 s)."""
         done = Replayed()
         here = self.version()
         if version != here:
             why = f"recorded with FlashInfer {version}, this is {here or 'no FlashInfer'}"
             done.skipped += [(self.describe(item), why) for item in items]
             return done
-        for item in items:
+        outcomes = _run_until(lambda item: _replay_one(self, item), items, _build_threads(), deadline)
+        for item, outcome in zip(items, outcomes):
             label = self.describe(item)
-            try:
-                outcome = _replay_one(self, item)
-            except Exception as exc:  # a build that fails here would fail in the request too
-                outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                done.skipped.append((label, outcome))
-                continue
-            if outcome.startswith("!"):
+            if outcome is None:
+                done.out_of_time.append(label)
+            elif isinstance(outcome, BaseException):  # a build that fails here would fail in the request too
+                text = f"{type(outcome).__name__}: {str(outcome).splitlines()[0] if str(outcome) else ''}"[:300]
+                done.skipped.append((label, text))
+            elif outcome.startswith("!"):
                 done.skipped.append((label, outcome[1:]))
             else:
                 done.done.append(f"{item['module']} ({outcome})")
         return done
+
+
+BUILD_THREADS = 4  # FlashInfer builds at once in one worker (each build's ninja runs nvcc in parallel too)
+
+
+def _current_cuda_device():
+    torch = sys.modules.get("torch")  # FlashInfer imports torch; without it there is no device to keep
+    try:
+        return torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _build_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(BUILD_THREADS, cores))
+
+
+def _run_until(fn, items, threads: int, deadline) -> list:
+    """``fn(item)`` for each item on `threads` daemon threads; returns each outcome (its result,
+    or the exception it raised: ``log.CONTAINED``; ``KeyboardInterrupt`` too, as an outcome of
+    its thread), None for those not finished by `deadline` (``time.monotonic()``; None: no bound).
+    Nothing is started after the deadline; what runs goes on unwaited."""
+    outcomes: list = [None] * len(items)
+    pending = list(range(len(items)))
+    lock, finished = threading.Lock(), threading.Condition()
+    device = _current_cuda_device()
+
+    def work():
+        if device is not None:  # a new thread's CUDA device is 0; FlashInfer checks the caller's arch
+            try:
+                sys.modules["torch"].cuda.set_device(device)
+            except Exception as exc:  # the build checks device 0's arch instead: same GPUs on a host
+                logger.debug("kwarm: a FlashInfer build thread kept device 0: %s", exc)
+        while True:
+            with lock:
+                if not pending or (deadline is not None and time.monotonic() >= deadline):
+                    break
+                index = pending.pop(0)
+            try:
+                outcome = fn(items[index])
+            except BaseException as exc:  # noqa: BLE001 (the caller reports it; nothing leaves the thread)
+                outcome = exc
+            with finished:
+                outcomes[index] = outcome
+                finished.notify_all()
+        with finished:
+            finished.notify_all()
+
+    workers = [threading.Thread(target=work, name="kwarm-flashinfer", daemon=True)
+               for _ in range(max(1, min(threads, len(items))))]
+    for worker in workers:
+        worker.start()
+    with finished:
+        while any(w.is_alive() for w in workers):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            finished.wait(0.05 if left is None else min(0.05, left))
+        return list(outcomes)
 
 
 SURFACE = FlashInferSurface()
@@ -157,7 +234,8 @@ def _event(spec, had, seconds, frame):
 
     name = str(getattr(spec, "name", "?"))
     getter = _find_getter(frame)
-    detail = {"built": had is False, "seconds": round(seconds, 3), "getter": None, "args": None}
+    detail = {"built": had is False, "seconds": round(seconds, 3), "getter": None, "args": None,
+              "thread": threading.get_ident()}  # replay builds on several threads: its own, by thread
     if getter is not None:
         detail["getter"], detail["args"] = getter
     module = detail["getter"].rpartition(".")[0] if detail["getter"] else "flashinfer"
@@ -206,7 +284,7 @@ def _decode(arg):
     if isinstance(arg, dict):
         import torch
 
-        dtype = getattr(torch, arg["dtype"], None)
+        dtype = vars(torch).get(arg["dtype"])  # not getattr: torch's __getattr__ imports lazy submodules
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"no torch dtype {arg['dtype']}")
         return dtype
@@ -236,13 +314,86 @@ def _arg_problem(arg) -> str | None:
         return None if math.isfinite(arg) else "a float that is not finite"
     if type(arg) is str:
         return None if WORD.fullmatch(arg) and ".." not in arg else "a string that is no plain word"
-    if isinstance(arg, dict) and set(arg) == {"dtype"} and type(arg["dtype"]) is str and re.fullmatch(r"[a-z0-9_]{1,32}", arg["dtype"]):
+    if isinstance(arg, dict) and set(arg) == {"dtype"} and type(arg["dtype"]) is str and re.fullmatch(r"[a-z][a-z0-9_]{0,31}", arg["dtype"]):
         return None
     return f"{type(arg).__name__} is not a plain value"
 
 
 def _show(arg) -> str:
     return arg["dtype"] if isinstance(arg, dict) else repr(arg)
+
+
+REFUSED_PACKAGES = ("data",)  # flashinfer/data: CUTLASS, CCCL and spdlog sources and their scripts
+
+
+def getter_source_problem(getter: str) -> str | None:
+    """Why `getter`'s module may not be imported for replay (None when it may), without importing
+    anything: a module already imported must be a file of the installed FlashInfer; another must be
+    a ``.py`` file (or a package's ``__init__.py``) under regular packages (an ``__init__.py`` in
+    each folder: no namespace package) of the installed FlashInfer, outside ``flashinfer/data``,
+    whose source defines `getter`'s function at module level (``ast``, nothing of it run). Why:
+    FlashInfer 0.6-0.7 ship scripts under ``flashinfer/data`` that are importable and run on import
+    (issue 59); it can go when FlashInfer keeps a registry of its getters kwarm can look names up in."""
+    why = _getter_problem(getter)
+    if why:
+        return why
+    module, _, function = getter.rpartition(".")
+    parts = module.split(".")
+    if parts[1] in REFUSED_PACKAGES:
+        return f"getter {getter}: flashinfer.{parts[1]} holds no JIT getters; not imported"
+    root = _package_root()
+    if root is None:
+        return "FlashInfer is not installed"
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        where = os.path.realpath(getattr(loaded, "__file__", None) or "/")
+        if not where.startswith(root + os.sep) or os.path.join(root, "data") + os.sep in where:
+            return f"getter {getter}: its module is not a file of the installed FlashInfer"
+        return None if callable(getattr(loaded, function, None)) else \
+            f"getter {getter}: no such function in this FlashInfer"
+    folder = root
+    for depth in range(1, len(parts) - 1):
+        folder = os.path.join(folder, parts[depth])
+        if not _regular_file(os.path.join(folder, "__init__.py")):
+            return f"getter {getter}: {'.'.join(parts[:depth + 1])} is no regular package of FlashInfer; not imported"
+    source = os.path.join(folder, parts[-1] + ".py")
+    if not _regular_file(source):
+        source = os.path.join(folder, parts[-1], "__init__.py")
+        if not _regular_file(source):
+            return f"getter {getter}: {module} is no module of this FlashInfer; not imported"
+    try:
+        with open(source, encoding="utf-8", errors="replace") as f:
+            tree = ast.parse(f.read(4 << 20))
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return f"getter {getter}: {module}'s source does not parse; not imported"
+    if not any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
+               for node in tree.body):
+        return f"getter {getter}: {module} defines no function {function}; not imported"
+    return None
+
+
+def _package_root() -> str | None:
+    """The installed FlashInfer's folder (its package is not imported to find it)."""
+    loaded = sys.modules.get("flashinfer")
+    paths = list(getattr(loaded, "__path__", []) or [])
+    if not paths:
+        try:
+            from importlib.util import find_spec
+
+            spec = find_spec("flashinfer")
+            paths = list(spec.submodule_search_locations or []) if spec is not None else []
+        except (ImportError, ValueError):
+            return None
+    return os.path.realpath(paths[0]) if paths else None
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        import stat
+
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------- replaying
@@ -254,13 +405,17 @@ def _replay_one(surface, item) -> str:
     from kwarm_ext import monitor
 
     module, _, function = item["getter"].rpartition(".")
+    why = getter_source_problem(item["getter"])
+    if why:
+        return f"!{why}"
     getter = getattr(importlib.import_module(module), function, None)
     if not callable(getter):
-        return f"!{item['getter']} does not exist in this FlashInfer"
+        return f"!{item['getter']} is not a function in this FlashInfer"
     args = [_decode(a) for a in item["args"]]
     with monitor.capture([surface]) as events:
         getter(*args)
-    built = [e for e in events if e.surface == "flashinfer"]
+    me = threading.get_ident()
+    built = [e for e in events if e.surface == "flashinfer" and e.payload.get("thread") == me]
     if not built:
         return "already loaded"
     names = {e.name for e in built}

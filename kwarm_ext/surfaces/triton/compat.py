@@ -21,6 +21,7 @@ import re
 import sys
 from typing import Any
 
+from kwarm_ext.log import CONTAINED
 from kwarm_ext.patching import Patch
 
 
@@ -211,7 +212,7 @@ def resolve(module: str, qualname: str, *, import_missing: bool = True) -> Resol
             raise Unresolvable(why)
         try:
             mod = importlib.import_module(module)
-        except Exception as exc:
+        except CONTAINED as exc:  # a module that calls sys.exit on import too (issue 59)
             raise Unresolvable(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
     obj = mod
     for part in qualname.split("."):

@@ -85,16 +85,18 @@ def compile_ahead(kernels, run: Callable[[], None], threads: int, failure: str) 
 
 
 @contextlib.contextmanager
-def parallel_compiles(threads: int, per_job_s: float | None = None):
+def parallel_compiles(threads: int, per_job_s: float | None = None, deadline: float | None = None):
     """Make the block's ``preload``/``warmup`` calls compile on a thread pool.
 
     Uses ``triton.AsyncCompileMode`` (3.5+; threads only: its compile closures don't pickle).
     On leaving, the mode waits for every compile; errors are kept for :func:`settle`
     (``ignore_errors``). With `per_job_s`, a compile still running that long after it started
     fails with :class:`CompileTimedOut` (on :class:`BoundedCompiles`, even with one thread), and
-    the block ends without waiting for it. Falls back to compiling in the caller's thread (no
-    bound) on Triton 3.4, with one thread and no bound, or when another AsyncCompileMode is
-    already active in this context."""
+    the block ends without waiting for it; with `deadline` (``time.monotonic()``), a compile not
+    finished by then fails with :class:`OutOfTime`. Falls back to compiling in the caller's thread
+    (no bound here: replay bounds the whole loop instead) on Triton 3.4 and 3.5 (no
+    ``ignore_errors``), with one thread and no bound, or when another AsyncCompileMode is already
+    active in this context."""
     import triton
 
     mode_cls = getattr(triton, "AsyncCompileMode", None)
@@ -103,7 +105,7 @@ def parallel_compiles(threads: int, per_job_s: float | None = None):
         yield False
         return
     if per_job_s is not None:
-        pool = BoundedCompiles(max(1, threads), per_job_s)
+        pool = BoundedCompiles(max(1, threads), per_job_s, deadline)
         try:
             with mode_cls(pool, ignore_errors=True):
                 yield True
@@ -125,18 +127,35 @@ class CompileTimedOut(Exception):
         self.seconds = seconds
 
 
+class OutOfTime(Exception):
+    """Replay's total bound (``KWARM_REPLAY_LIMIT``) came before this compile finished."""
+
+    def __init__(self, why: str = "replay's total bound was reached first"):
+        super().__init__(why)
+
+
 class BoundedCompiles:
     """An executor for ``AsyncCompileMode`` whose futures fail with :class:`CompileTimedOut`
     once their job has run `per_job_s` seconds. Triton's compile cannot be interrupted: the job
     goes on in its daemon thread (it never delays the interpreter's exit) and a new worker takes
     its place, so one slow entry neither holds the engine's start nor the other entries. Why:
-    a manifest entry is input (issue 51): one crafted entry compiled for 1019 s at engine start."""
+    a manifest entry is input (issue 51): one crafted entry compiled for 1019 s at engine start.
 
-    def __init__(self, threads: int, per_job_s: float):
+    Past `deadline` (``time.monotonic()``; replay's total bound, issue 59) every job not finished
+    fails with :class:`OutOfTime` and no worker is replaced; so does every job once 2 x `threads`
+    workers were left behind on late compiles (at most that many threads go on unwaited: 40 slow
+    entries had left 42)."""
+
+    def __init__(self, threads: int, per_job_s: float, deadline: float | None = None):
         import queue
         import threading
 
         self.per_job_s = per_job_s
+        self.deadline = deadline
+        self.abandoned = 0  # workers left behind on a late compile
+        self.max_abandoned = 2 * max(1, threads)  # workers ever started: `threads`, then replacements
+        self._replacements = max(1, threads)
+        self._stopped: str | None = None  # why every job now fails at once
         self._jobs = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running: dict = {}  # future -> (start, worker thread)
@@ -150,8 +169,27 @@ class BoundedCompiles:
         from concurrent.futures import Future
 
         future = Future()
+        if self._stopped:
+            future.set_exception(OutOfTime(self._stopped))
+            return future
         self._jobs.put((future, fn, args, kwargs))
         return future
+
+    def _stop(self, why: str) -> None:
+        """Every queued and future job fails at once with :class:`OutOfTime` (`why`)."""
+        import queue
+
+        self._stopped = self._stopped or why
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._jobs.put(None)  # a worker's end: keep it for the worker, after the jobs
+                return
+            with contextlib.suppress(Exception):
+                item[0].set_exception(OutOfTime(self._stopped))
 
     def shutdown(self, wait: bool = False, **_):
         """No new jobs; idle workers end. Jobs past the bound are not waited for."""
@@ -179,6 +217,10 @@ class BoundedCompiles:
             if item is None:
                 break
             future, fn, args, kwargs = item
+            if self._stopped:
+                with contextlib.suppress(Exception):
+                    future.set_exception(OutOfTime(self._stopped))
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             with self._lock:
@@ -202,16 +244,28 @@ class BoundedCompiles:
         while True:
             time.sleep(min(0.05, self.per_job_s / 4))
             now = time.monotonic()
+            past_deadline = self.deadline is not None and now >= self.deadline
             with self._lock:
-                late = [f for f, (start, _) in self._running.items() if now - start > self.per_job_s]
+                late = [f for f, (start, _) in self._running.items()
+                        if past_deadline or now - start > self.per_job_s]
                 for future in late:
                     del self._running[future]
+                self.abandoned += len(late)
                 idle = self._closed.is_set() and not self._running
+            if self._stopped:  # a job queued while the last drain ran
+                self._stop(self._stopped)
+            if past_deadline:
+                self._stop("replay's total bound was reached first")
             for future in late:
                 with contextlib.suppress(Exception):  # InvalidStateError: it finished just now
-                    future.set_exception(CompileTimedOut(self.per_job_s))
-                if not self._closed.is_set():
-                    self._spawn()
+                    future.set_exception(OutOfTime() if past_deadline else CompileTimedOut(self.per_job_s))
+                if self._closed.is_set() or self._stopped:
+                    continue
+                if self._replacements <= 0:  # the workers a pool may leave behind are spent
+                    self._stop(f"{self.abandoned} compiles were already past the bound of {self.per_job_s:g} s")
+                    continue
+                self._replacements -= 1
+                self._spawn()
             if idle:
                 return
 

@@ -209,6 +209,8 @@ class Learner:
             self.saves += 1
         if result.note:
             logger.warning("kwarm: manifest %s: %s", result.path, result.note)
+        if result.left_out:
+            logger.warning("kwarm: manifest %s: %s", result.path, "; ".join(result.left_out))
         logger.info("kwarm: learned %d new (%d in the manifest, %s save) -> %s",
                     result.added, result.total, why, result.path)
         return result
@@ -277,6 +279,10 @@ def begin(view) -> Learner:
     if learner.interval > 0:
         threading.Thread(target=learner.run_periodically, name="kwarm-learn", daemon=True).start()
     logger.info("kwarm: learning: compilations after kwarm's warmup go to %s", path)
+    shared = manifest_files.shared_folder(path)
+    if shared:
+        logger.warning("kwarm: learning into %s: %s; keep manifests in a folder only you can write",
+                       manifest.printable(path), shared)
     return learner
 
 
@@ -331,7 +337,7 @@ def _known_manifest(path: str, stamp: Stamp) -> manifest.Manifest:
     """What the manifest already holds (empty if unusable): its entries are not new, its
     autotune choices need not be saved again."""
     try:
-        known = manifest_files.load(path)
+        known = manifest_files.load(path)  # takes what replay parsed at this start, if unchanged
     except (FileNotFoundError, manifest.BadManifest):
         return manifest.Manifest(stamp)
     return known if known.stamp.incompatibility(stamp) is None else manifest.Manifest(stamp)

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 
+from kwarm_ext.log import CONTAINED
 from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.surfaces.triton import compile as triton_compile
 
@@ -145,7 +146,7 @@ def settle(job: PreloadJob, result) -> tuple[Any, str | None]:
             kernel = result.result()
         except triton_compile.CompileTimedOut as exc:
             return None, f"{exc}: skipped, the compile goes on unwaited (the bound on one entry)"
-        except Exception as exc:
+        except CONTAINED as exc:
             return None, f"compile failed: {type(exc).__name__}: {exc}"
         if kernel is None:
             return None, "compile failed"
@@ -232,6 +233,20 @@ def init_handles_each(kernels: list, threads: int) -> list:
             return list(pool.map(attempt, kernels))
     except BrokenExecutor:  # a thread could not take the device: load here, one by one
         return [attempt(k) for k in kernels]
+
+
+def take_callers_device():
+    """A function that makes the thread calling it use the caller's current CUDA device (a new
+    thread's is device 0): Triton files a preloaded kernel under the compiling thread's device
+    (``device_caches[device]``), and a TP rank's is not device 0. A no-op without CUDA."""
+    device = _current_cuda_device()
+
+    def take() -> None:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+    return take
 
 
 def _current_cuda_device():

@@ -40,7 +40,7 @@ from kwarm_ext.surfaces.triton import compat as triton_compat
 from kwarm_ext.surfaces.triton import compile as triton_compile
 from kwarm_ext.surfaces.triton import preload as triton_preload
 from kwarm_ext.families import Plan, Step
-from kwarm_ext.log import fail_open
+from kwarm_ext.log import CONTAINED, fail_open
 
 logger = logging.getLogger("kwarm")
 MAX_SKIP_LINES = 20  # replay's warnings per start; the summary line and the report have the rest
@@ -72,6 +72,9 @@ class ReplayState:
     loaded: int = 0
     binder: str = "not primed"
     logged: int = 0  # skips logged (at most MAX_SKIP_LINES lines a start)
+    limit_s: float = 600.0  # KWARM_REPLAY_LIMIT: the whole replay's bound
+    deadline: float | None = None  # time.monotonic() the replay must end by (set as its first step starts)
+    out_of_time: int = 0  # entries and items the total bound left out
     more_malformed: int = 0  # malformed items past those the manifest kept with their reason
     surfaces: dict = dataclasses.field(default_factory=dict)  # the other surfaces' sections of the manifest
     surfaces_replayed: dict = dataclasses.field(default_factory=dict)  # surface name -> labels done
@@ -86,6 +89,22 @@ class ReplayState:
         elif self.logged == MAX_SKIP_LINES + 1:
             logger.warning("kwarm: replay: further skips are not logged (the summary line counts them, "
                            "KWARM_REPORT lists them)")
+
+    def until(self) -> float:
+        """The replay's deadline, started by the first step that asks (``KWARM_REPLAY_LIMIT``)."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.limit_s
+        return self.deadline
+
+    def left_out(self, labels: list, what: str) -> None:
+        """What the total bound left out: skipped, in one line for the lot (issue 59)."""
+        for label in labels:
+            self.skip(label, "out of time", f"replay's total bound of {self.limit_s:g} s (KWARM_REPLAY_LIMIT) "
+                      "was reached first: left to the requests", log=False)
+        if labels:
+            self.out_of_time += len(labels)
+            logger.warning("kwarm: replay reached its total bound of %g s (KWARM_REPLAY_LIMIT): %d %s left to "
+                           "the requests", self.limit_s, len(labels), what)
 
     def summary(self) -> str:
         if self.refused:
@@ -109,7 +128,8 @@ class ReplayState:
                 "replayed": len(self.compiled), "already_compiled": self.already,
                 "not_chosen": self.not_chosen, "autotune_seeded": self.seeded,
                 "key_cache_seeded": self.key_cache_seeded, "loaded": self.loaded,
-                "binder": self.binder, "threads": self.threads,
+                "binder": self.binder, "threads": self.threads, "limit_s": self.limit_s,
+                "out_of_time": self.out_of_time,
                 "surfaces": {name: done for name, done in self.surfaces_replayed.items()},
                 "skipped": [dataclasses.asdict(s) for s in self.skipped]}
 
@@ -132,6 +152,7 @@ def plan(view, forced) -> Plan:
     stamp, path = learn.deployment(view)
     state = prepare(path, stamp, config.get().allowed_modules)
     state.threads = triton_compile.compile_threads(view.tp_size)
+    state.limit_s = config.get().replay_limit
     gpu_skip = NO_GPU if not triton_compat.has_gpu_driver() else None
     none = state.refused and f"manifest not used: {state.refused}"
     return Plan([Step("compile", "manifest entries", run=lambda: compile_entries(state), skip=none),
@@ -188,7 +209,8 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
     """Load and check the manifest, resolve its entries; logs one line per refusal."""
     state = ReplayState(path)
     try:
-        data = manifest_files.load(path)
+        # a learner of this start reads it again: it takes this parse instead
+        data = manifest_files.load(path, keep=config.get().learn != "off")
         why = data.stamp.incompatibility(stamp)
     except FileNotFoundError:
         state.refused = "no manifest"
@@ -199,6 +221,10 @@ def prepare(path: str, stamp, allowed: tuple) -> ReplayState:
         state.refused = why
         logger.warning("kwarm: replay did not use the manifest %s: %s", path, why)
         return state
+    shared = manifest_files.shared_folder(path)
+    if shared:  # a warning, not a refusal: the file itself passed the checks (README, "Trust model")
+        logger.warning("kwarm: manifest %s: %s; keep manifests in a folder only you can write",
+                       manifest.printable(path), shared)
     if data.stamp.differences(stamp):
         logger.info("kwarm: manifest %s was recorded with %s; its entries are checked one by one",
                     path, ", ".join(data.stamp.differences(stamp)))
@@ -302,24 +328,82 @@ ENTRY_COMPILE_S = 180.0
 def compile_entries(state: ReplayState) -> list:
     """Step 3: preload every job in parallel, with kwarm's recorder paused; also compiles the
     no-op kernel through its binder (the one-time specialization imports). An entry still
-    compiling :data:`ENTRY_COMPILE_S` after it started is skipped, unwaited (Triton 3.5+)."""
+    compiling :data:`ENTRY_COMPILE_S` after it started is skipped, unwaited (Triton 3.6+: the
+    bounded pool). The whole loop is bounded too (``KWARM_REPLAY_LIMIT``, issue 59: the bound on
+    one entry let 40 slow entries hold a start for 10 s at a 0.5 s bound, and Triton 3.4-3.5
+    compile in one thread with no bound on an entry): it runs in a daemon thread the step waits
+    for until the replay's deadline; what is not compiled by then is skipped in one line, and a
+    compile still running goes on unwaited (the loop starts no new one)."""
+    import threading
+
     threads = max(1, min(state.threads, len(state.jobs)))
-    results = []
-    with learn.paused():
-        with triton_compile.parallel_compiles(threads, per_job_s=ENTRY_COMPILE_S):
-            for job in state.jobs:
+    deadline = state.until()
+    results: dict = {}
+    stop = threading.Event()
+    take_device = triton_preload.take_callers_device()
+
+    def loop():
+        take_device()  # kernels are filed under the compiling thread's device: this rank's
+        with triton_compile.parallel_compiles(threads, per_job_s=ENTRY_COMPILE_S, deadline=deadline):
+            for index, job in enumerate(state.jobs):
+                if stop.is_set() or time.monotonic() >= deadline:
+                    break
                 try:
-                    results.append(triton_preload.preload(job))
-                except Exception as exc:
-                    results.append(exc)
-            state.binder = _attempt(triton_preload.warm_binder, "primed by warmup")
-        for job, result in zip(state.jobs, results):
-            _settle(state, job, result)
+                    results[index] = triton_preload.preload(job)
+                except CONTAINED as exc:
+                    results[index] = exc
+            if not stop.is_set():
+                state.binder = _attempt(triton_preload.warm_binder, "primed by warmup")
+
+    errors: list = []
+
+    def contained():
+        try:
+            loop()
+        except BaseException as exc:  # noqa: BLE001 (raised again below, in the step's own thread)
+            errors.append(exc)
+
+    with learn.paused():
+        worker = threading.Thread(target=contained, name="kwarm-replay-loop", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        stop.set()
+        if errors:  # the loop's failure under kwarm's policy, where KWARM_STRICT can see it
+            with fail_open("replay's compile loop failed"):
+                raise errors[0]
+        late = []
+        for index, job in enumerate(state.jobs):
+            result = results.get(index)
+            if result is None or _unfinished(result):
+                late.append(job.label)
+            else:
+                _settle(state, job, result)
+        if errors:  # not the bound: the loop ended (its one warning above)
+            for label in late:
+                state.skip(label, "compile failed", f"the compile loop failed: {type(errors[0]).__name__}", log=False)
+        else:
+            state.left_out(late, "Triton entries")
     return [label for label, _ in state.compiled]
 
 
+def _unfinished(result) -> bool:
+    """Whether `result` (a kernel, an exception, or Triton's ``FutureKernel`` of a compile) is a
+    compile the total bound ended: its future not done yet, or failed with OutOfTime."""
+    if isinstance(result, BaseException):
+        return isinstance(result, triton_compile.OutOfTime)
+    future = getattr(result, "future", None)  # FutureKernel (Triton 3.5-3.6): the executor's future
+    if not callable(getattr(future, "done", None)):
+        return False
+    if not future.done():
+        return True
+    try:
+        return isinstance(future.exception(timeout=0), triton_compile.OutOfTime)
+    except Exception:
+        return False
+
+
 def _settle(state: ReplayState, job, result) -> None:
-    if isinstance(result, Exception):
+    if isinstance(result, CONTAINED):
         return state.skip(job.label, "compile failed", f"preload failed: {type(result).__name__}: {result}")
     kernel, why = triton_preload.settle(job, result)
     if why:
@@ -336,9 +420,10 @@ def replay_surface(state: ReplayState, name: str) -> list:
     """Another surface's items (kwarm_ext/surfaces/), through that surface's own replay."""
     section = state.surfaces[name]
     with learn.paused():
-        result = surfaces.get(name).replay(section["items"], section["version"])
+        result = surfaces.get(name).replay(section["items"], section["version"], deadline=state.until())
     for label, reason in result.skipped:
         state.skip(label, name, reason)
+    state.left_out(result.out_of_time, f"{surfaces.get(name).label}")
     state.surfaces_replayed[name] = result.done
     return result.done
 
