@@ -54,6 +54,9 @@ VARIABLES = {
 # Not a setting: kwarm's front end sets it for a block-FP8 model that runs DeepGEMM, and the engine
 # processes that inherit it start deep_gemm's compile processes' parent as kwarm activates there.
 DEEP_GEMM_EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
+# Not a setting either: set once kwarm_ext.early_builds started FlashInfer's builds at launch, so that
+# the engine's processes, which inherit it, do not start them again.
+EARLY_BUILDS_ENV = "KWARM_EARLY_BUILDS"
 
 # Modules whose kernels a manifest may name without KWARM_ALLOW_MODULES (a manifest is
 # untrusted input: replay imports the modules it names).

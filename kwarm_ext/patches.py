@@ -282,7 +282,8 @@ def serving_threads_first() -> bool:
 
 def _wrap_create_engine_config(wrapped, instance, args, kwargs):
     """Tell ``deep_gemm`` the engine's arguments, run vLLM's ``EngineArgs.create_engine_config``,
-    then tell it the config.
+    then tell it the config, and start the FlashInfer builds the config implies in the background
+    (``kwarm_ext.early_builds``: they overlap the engine's start instead of following its profile run).
 
     Why: ``deep_gemm``'s compile processes are forked by one parent that imports torch and
     vLLM first: 15.6 s beside an 11 s weight load (DeepSeek-V3.2 FP8 dimensions, vLLM 0.29.0,
@@ -305,6 +306,13 @@ def _wrap_create_engine_config(wrapped, instance, args, kwargs):
     if family is not None:
         with fail_open("deep_gemm: reading the engine config failed, its compile processes start at weight loading"):
             family.engine_config_made(config)
+    with fail_open("could not start FlashInfer's builds at launch, vLLM builds them when it calls them"):
+        from kwarm_ext import config as kwarm_config
+
+        if kwarm_config.get().warmups.wants("flashinfer_jit"):
+            from kwarm_ext import early_builds
+
+            early_builds.start(config)  # kwarm_ext/early_builds.py says why here
     return config
 
 

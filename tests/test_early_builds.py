@@ -1,0 +1,139 @@
+"""FlashInfer's builds started at launch (kwarm_ext/early_builds.py): which ones vLLM's selection
+logic implies, per release and backend choice; that the background build targets exactly what the
+engine's own call builds (same workspace folder, same ninja file) without a CUDA device; and how
+the background process reports."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from conftest import run_py
+from kwarm_ext import early_builds
+
+PREDICT = """
+import json, sys, types
+from kwarm_ext import early_builds
+
+def config(mla=False, heads=128, nope=128, rope=64, tp=1, runner="generate"):
+    hf = types.SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope)
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=mla, hf_text_config=hf, runner_type=runner),
+                                 parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
+
+cases = {
+    "h100": early_builds.predict(config(), [(9, 0)]),
+    "h100 off": early_builds.predict(config(), [(9, 0)], {"VLLM_USE_FLASHINFER_SAMPLER": "0"}),
+    "pascal": early_builds.predict(config(), [(6, 0)]),
+    "pooling": early_builds.predict(config(runner="pooling"), [(9, 0)]),
+    "dsv32": early_builds.predict(config(mla=True), [(9, 0)]),
+    "dsv32 tp2": early_builds.predict(config(mla=True, tp=2), [(9, 0)]),
+    "no gpu": early_builds.predict(config(), []),
+}
+print(json.dumps({k: [[b.name for b in builds], why] for k, (builds, why) in cases.items()}))
+"""
+
+
+def _predict(release):
+    proc = run_py(PREDICT, release=release)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_033_predicts_the_sampler_where_vllm_would_use_flashinfers_and_concat_mla_where_its_layers_call_it():
+    got = _predict("0.33.0")
+    assert got["h100"][0] == ["sampling"]
+    assert got["h100 off"][0] == [] and "VLLM_USE_FLASHINFER_SAMPLER=0" in got["h100 off"][1][0]
+    assert got["pooling"][0] == [] and "does not generate" in got["pooling"][1][0]
+    assert got["dsv32"][0] == ["sampling", "concat_mla"]
+    assert got["dsv32 tp2"][0] == ["sampling"] and "64 heads per rank" in got["dsv32 tp2"][1][-1]
+    assert got["no gpu"] == [[], ["no NVIDIA GPU visible"]]
+
+
+def test_024_checks_the_gpu_against_flashinfers_attention_backend_and_020_has_no_flashinfer_sampler_check():
+    got = _predict("0.24.0")
+    assert got["h100"][0] == ["sampling"] and got["dsv32"][0] == ["sampling", "concat_mla"]
+    assert got["pascal"][0] == [] and "6.0 unsupported" in got["pascal"][1][0]
+    old = _predict("0.20.0")
+    assert old["h100"][0] == [] and "no FlashInfer sampler check" in old["h100"][1][0]
+
+
+TARGET = """
+import os, sys, json
+if sys.argv[1] == "device":  # what an engine process sees: one H100, no arch list
+    import torch
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+from flashinfer.jit import env as jit_env
+from flashinfer.jit.sampling import gen_sampling_module
+spec = gen_sampling_module()
+spec.write_ninja()
+print(json.dumps({"dir": str(jit_env.FLASHINFER_WORKSPACE_DIR), "ninja": spec.ninja_path.read_text()}))
+"""
+
+
+def test_the_background_build_targets_what_the_engines_own_call_builds(tmp_path):
+    """The engine's process detects its GPUs; the background one gets FLASHINFER_CUDA_ARCH_LIST from
+    NVML and sees no device: the same workspace folder (so the same file lock) and the same ninja file
+    (so ninja finds the module up to date), with the real FlashInfer."""
+    pytest.importorskip("flashinfer")
+    base = {"FLASHINFER_WORKSPACE_BASE": str(tmp_path)}
+    from conftest import clean_env
+
+    out = {}
+    for how, extra in (("device", {}), ("early", {"CUDA_VISIBLE_DEVICES": "", "FLASHINFER_CUDA_ARCH_LIST":
+                                                    early_builds.arch_list([(9, 0)])})):
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(TARGET), how], capture_output=True, text=True,
+                              env=clean_env(**base, **extra), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[how] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["device"]["dir"] == out["early"]["dir"] and out["early"]["dir"].endswith("90a")
+    assert out["device"]["ninja"] == out["early"]["ninja"] and "sm_90a" in out["early"]["ninja"]
+    assert early_builds.arch_list([(9, 0), (8, 0), (9, 0)]) == "8.0 9.0"
+
+
+def test_start_runs_one_background_process_without_a_cuda_device_once_per_process_tree(monkeypatch):
+    monkeypatch.delenv(early_builds.STARTED_ENV, raising=False)
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(early_builds.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [(9, 0)])
+    monkeypatch.setattr(early_builds, "predict", lambda config, caps: ([early_builds.SAMPLING], []))
+    started = []
+
+    class Popen:
+        def __init__(self, argv, env, **kwargs):
+            started.append((argv, env, kwargs))
+            self.pid = 4242
+
+    monkeypatch.setattr(early_builds.subprocess, "Popen", Popen)
+    assert early_builds.start(types.SimpleNamespace()).pid == 4242
+    (argv, env, kwargs), = started
+    assert argv[1:3] == ["-m", "kwarm_ext.early_builds"] and json.loads(argv[3])[0]["name"] == "sampling"
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["FLASHINFER_CUDA_ARCH_LIST"] == "9.0"
+    assert kwargs["start_new_session"] is True
+    assert early_builds.start(types.SimpleNamespace()) is None and len(started) == 1, "once: the marker is inherited"
+
+
+def test_the_background_process_builds_under_the_specs_lock_and_says_each_outcome(monkeypatch, capsys):
+    calls = []
+
+    class Spec:
+        name = "sampling"
+
+        def build(self, verbose, need_lock=False):
+            calls.append((verbose, need_lock))
+
+    module = types.ModuleType("kwarm_test_early_spec")
+    module.good = Spec
+    module.bad = lambda: (_ for _ in ()).throw(RuntimeError("nvcc not found"))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    items = [{"name": "sampling", "spec": f"{module.__name__}:good"}, {"name": "other", "spec": f"{module.__name__}:bad"}]
+    assert early_builds.main([json.dumps(items)]) == 1
+    assert calls == [(False, True)], "FlashInfer's own file lock: vLLM's call waits for this build"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kwarm: early FlashInfer build: sampling ready in")
+    assert err[1] == ("kwarm: early FlashInfer build: other failed, vLLM builds it when it needs it: "
+                      "RuntimeError: nvcc not found")
