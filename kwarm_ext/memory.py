@@ -10,7 +10,7 @@ The bound (:func:`begin`): kwarm's warmup may hold, above what torch had allocat
 (weights, KV cache, vLLM's buffers), at most the headroom vLLM itself keeps for transient
 activations, so that its peak is never above what vLLM alone reaches while serving:
 
-- where vLLM sized the KV cache from ``--gpu-memory-utilization`` (0.2x-0.34's
+- where vLLM sized the KV cache from ``--gpu-memory-utilization`` (0.20-0.34's
   ``Worker.determine_available_memory``): ``Worker.peak_activation_memory``, the torch peak of
   vLLM's profile run less what stayed allocated after it (``transient_peak_headroom``), plus the
   CUDA graphs' estimate where vLLM took it from the KV cache; after CUDA-graph capture the

@@ -78,7 +78,17 @@ def install() -> None:
 
     for entry in PATCHES:
         wrapt.register_post_import_hook(_hook(entry), entry.module)
+    wrapt.register_post_import_hook(_share_triton_compiles, "triton.runtime.cache")
     _installed = True
+
+
+def _share_triton_compiles(module) -> None:
+    """Triton's cache manager becomes kwarm's ``NodeCacheManager``: ranks that share a cache folder
+    compile each key once (kwarm_ext/surfaces/triton/node_cache.py says why and until when)."""
+    with fail_open("could not share Triton compiles between this node's ranks, each compiles its own"):
+        from kwarm_ext.surfaces.triton import node_cache
+
+        node_cache.install()
 
 
 def _hook(entry: Patch):

@@ -137,6 +137,7 @@ def _run(worker, settings, t0: float, report: dict) -> dict:
     if learning is not None:
         report["learn"] = {"manifest": learning.path, "newly_learned": learning.recorder.recorded}
     report["total_s"] = round(time.perf_counter() - t0 + ahead_s, 4)
+    report["triton_node_cache"] = _node_cache_counts()
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
     logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",
@@ -447,6 +448,19 @@ def _run_step(family: str, step) -> dict:
     if used:
         record["memory"] = used
     return record
+
+
+def _node_cache_counts() -> dict | None:
+    """This rank's Triton compiles and its loads of another rank's (kwarm_ext/surfaces/triton/node_cache.py),
+    where kwarm's cache manager is Triton's."""
+    try:
+        from triton import knobs
+
+        from kwarm_ext.surfaces.triton import node_cache
+
+        return node_cache.counts() if knobs.cache.manager_class is node_cache.NodeCacheManager else None
+    except Exception:  # noqa: BLE001  (no Triton, or one before 3.4: no counts)
+        return None
 
 
 def _memory_line(report: dict, results: list, rank, when: str = "") -> None:

@@ -296,14 +296,17 @@ def disk_cache_entries() -> int | None:
     """How many kernels Triton's on-disk cache holds (one directory per compile key, written
     only when a kernel compiles; a load from the cache writes nothing), so that a step can
     tell what it compiled from what it only loaded. None where that cannot be told: Triton's
-    interpreter, a cache manager of the user's own (``TRITON_CACHE_MANAGER``), an unreadable
+    interpreter, a cache manager of the user's own (``TRITON_CACHE_MANAGER``; kwarm's ``node_cache`` keeps
+    Triton's folders), an unreadable
     directory, a Triton without ``knobs`` (before 3.4). A directory not made yet holds 0."""
     if triton_compat.interpreted():
         return None
     try:
         from triton import knobs
 
-        if knobs.cache.manager_class is not None:
+        from kwarm_ext.surfaces.triton.node_cache import NodeCacheManager
+
+        if knobs.cache.manager_class not in (None, NodeCacheManager):  # kwarm's own keeps Triton's layout
             return None
         with os.scandir(knobs.cache.dir) as entries:
             return sum(1 for _ in entries)
