@@ -474,3 +474,15 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def rank_skew(reports: list) -> dict | None:
+    """Each rank's kwarm warmup seconds and how far apart the ranks' warmups ended (KWARM_REPORT of
+    every rank: ``started_at``/``ended_at``, wall clock); None without two timed reports. A rank that
+    ends late holds the others at the next collective (issue 62)."""
+    timed = [r for r in reports if r and r.get("ended_at") is not None and r.get("started_at") is not None]
+    if len(timed) < 2:
+        return None
+    ends = [r["ended_at"] for r in timed]
+    return {"ranks": {str(r.get("rank", i)): round(r["ended_at"] - r["started_at"], 3) for i, r in enumerate(timed)},
+            "end_skew_s": round(max(ends) - min(ends), 3)}

@@ -107,6 +107,7 @@ def run(worker) -> dict:
     settings = config.get()
     t0 = time.perf_counter()
     report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None,
+              "started_at": round(time.time(), 3),  # wall clock: ranks' reports side by side give their skew
               "budget": budget.begin(settings.budget), "memory": memory.begin(worker)}
     try:
         return _run(worker, settings, t0, report)
@@ -138,6 +139,7 @@ def _run(worker, settings, t0: float, report: dict) -> dict:
         report["learn"] = {"manifest": learning.path, "newly_learned": learning.recorder.recorded}
     report["total_s"] = round(time.perf_counter() - t0 + ahead_s, 4)
     report["triton_node_cache"] = _node_cache_counts()
+    report["ended_at"] = round(time.time(), 3)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
     logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",

@@ -1302,3 +1302,10 @@ def test_alloc_stacks_name_each_new_segment_by_the_frames_that_asked_for_it():
     assert engine_bench.segment_stacks({}) == []
     args = engine_bench.parse_args(["tiny-qwen3-next", "--alloc-stacks", "0,1"])
     assert args.alloc_stacks == [0, 1]
+
+
+def test_rank_skew_from_every_ranks_report():
+    reports = [{"rank": 0, "started_at": 100.0, "ended_at": 112.5}, {"rank": 1, "started_at": 100.2, "ended_at": 120.0},
+               {"rank": 2}]
+    assert table.rank_skew(reports) == {"ranks": {"0": 12.5, "1": 19.8}, "end_skew_s": 7.5}
+    assert table.rank_skew(reports[:1]) is None
