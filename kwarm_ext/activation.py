@@ -42,6 +42,8 @@ def activate(source: str = "api") -> bool:
                 return True
             if _prints_json():
                 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the JSON's
+            if _is_doctor():
+                config.quiet_problems()  # the doctor reports each problem once, itself
             settings = config.get()
             from kwarm_ext import patches
 
@@ -63,6 +65,12 @@ def _prints_json() -> bool:
     lines, kwarm's and vLLM's, then go to stderr."""
     argv = [*getattr(sys, "orig_argv", []), *getattr(sys, "argv", [])]
     return "--json" in argv and any(os.path.basename(a) == "kwarm" or a == "kwarm_ext.cli" for a in argv)
+
+
+def _is_doctor() -> bool:
+    """Whether this process is ``kwarm doctor``."""
+    argv = [*getattr(sys, "orig_argv", []), *getattr(sys, "argv", [])]
+    return "doctor" in argv and any(os.path.basename(a) == "kwarm" or a == "kwarm_ext.cli" for a in argv)
 
 
 RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"

@@ -427,6 +427,13 @@ def _selection_text(selection, known) -> str:
 
 _settings: Settings | None = None
 _lock = threading.Lock()
+_quiet = False  # `kwarm doctor` reports the problems itself, once (issue 63)
+
+
+def quiet_problems() -> None:
+    """Parse without logging the problems: for ``kwarm doctor``, which prints each one once."""
+    global _quiet
+    _quiet = True
 
 
 def get() -> Settings:
@@ -436,7 +443,7 @@ def get() -> Settings:
         if _settings is None:
             _settings = parse()
             configure_logging(_settings.log_level)
-            for problem in _settings.problems:
+            for problem in () if _quiet else _settings.problems:
                 logger.warning(problem)
         return _settings
 

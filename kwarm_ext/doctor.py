@@ -302,16 +302,38 @@ def render(r: dict) -> str:
     lines.append(f"  {m.get('directory')}: {len(m.get('found', []))} manifests")
     lines += [f"    {os.path.basename(path)}" for path in m.get("found", [])[:20]]
     lines += ["", "configuration:"] + [f"  {k:21s} {v}" for k, v in r["config"].items()]
-    lines += [f"  problem: {p}" for p in r["config_problems"]]
+    if r["config_problems"]:  # each problem is said once, in the verdict at the top
+        lines.append(f"  ({len(r['config_problems'])} problem(s): see the top)")
     from kwarm_ext.escape import printable
 
     # file names (manifests found in a shared cache folder) and paths reach the terminal escaped (issue 59)
     return "\n".join(printable(line, 4000) for line in lines)
 
 
+# Exit statuses of `kwarm doctor` (README, "kwarm doctor"): bits, so both can be read from one.
+OK, INVALID_SETTING, WOULD_NOT_HOOK = 0, 1, 4
+
+
+def exit_status(r: dict) -> int:
+    """0: every setting valid and kwarm would hook this vLLM; +1: a KWARM_* setting is invalid
+    (KWARM_ENABLE not a boolean included); +4: kwarm would not hook vLLM here (disabled, vLLM not
+    installed, its hook target not found, or no activation door would fire). 2 stays argparse's
+    usage error."""
+    status = OK
+    raw = os.environ.get("KWARM_ENABLE")
+    if r["config_problems"] or (raw is not None and not r["enabled"] and "is not 1/true" in r["enable_text"]):
+        status |= INVALID_SETTING
+    hook = r["hook_target"]
+    fires = any(d.get("would_fire") for d in r["doors"].values())
+    if not r["enabled"] or not r["versions"].get("vllm") or not hook.get("found") or hook.get("error") or not fires:
+        status |= WOULD_NOT_HOOK
+    return status
+
+
 def main(as_json: bool = False) -> int:
     """Print the report on stdout, and only the report (with `as_json`, the JSON alone):
-    whatever importing vLLM and torch prints (vLLM's log lines) goes to stderr."""
+    whatever importing vLLM and torch prints (vLLM's log lines) goes to stderr. Returns
+    :func:`exit_status`."""
     import contextlib
 
     sys.stdout.flush()
@@ -325,7 +347,7 @@ def main(as_json: bool = False) -> int:
         os.dup2(saved, 1)
         os.close(saved)
     print(json.dumps(report, indent=1, default=str) if as_json else render(report))
-    return 0
+    return exit_status(report)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ export HUMMING_DISABLE_PARALLEL_BUILD=1   # vLLM 0.33's import would build hummi
 # the source kwarm_ext (without kwarm_ext.kernels) would shadow the installed one.
 # Two workers, each test module on one of them (its per-release vLLM runs start once); the runs
 # fork from one server per vLLM release (tests/forkserver.py, shared by the workers;
-# KWARM_TEST_FORKSERVER=0: a fresh interpreter each): 4 min 29 s to 5 min 47 s on 2 cores in fresh
-# clones (663 tests, 2026-12-02), against 9 min 58 s with a fresh interpreter per run.
+# KWARM_TEST_FORKSERVER=0: a fresh interpreter each). How long the whole suite takes: README,
+# "The two commands" (the one place that number is kept).
 # KWARM_TEST_WORKERS=0: one process.
 exec "$VENV/bin/pytest" -q -p no:cacheprovider -n "${KWARM_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -13,9 +13,9 @@ from conftest import clean_env, cpu_triton_env, run_py
 DOCTOR_JSON = "import sys; from kwarm_ext import cli; sys.exit(cli.main(['doctor', '--json']))"
 
 
-def doctor(env, release=None):
+def doctor(env, release=None, status=0):
     proc = run_py(DOCTOR_JSON, env=env, release=release)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == status, proc.stderr[-3000:]
     return json.loads(proc.stdout)  # stdout holds the JSON alone (vLLM's log lines go to stderr)
 
 
@@ -42,7 +42,8 @@ def test_doctor_reports_installed_doors_and_hook_target():
 
 
 def test_doctor_disabled_and_filtered():
-    r = doctor(clean_env(VLLM_PLUGINS="other", KWARM_LOG_LEVEL="chatty", CUDA_VISIBLE_DEVICES=""))
+    # an invalid setting (1) and kwarm disabled, so it would not hook vLLM (4)
+    r = doctor(clean_env(VLLM_PLUGINS="other", KWARM_LOG_LEVEL="chatty", CUDA_VISIBLE_DEVICES=""), status=5)
     assert r["enabled"] is False and not any(d["would_fire"] for d in r["doors"].values())
     assert "excludes kwarm" in r["doors"]["vllm.general_plugins"]["note"]
     assert r["hook_target"]["patched"] is False and r["hook_target"]["after_capture"]["patched"] is False
@@ -64,7 +65,8 @@ V2 = {"v2_warmup_kernels"}  # Model Runner V2's warmup_kernels, in every release
                      "replayssm_lifecycle_warmup", "qwen_vl_triton_warmup", "flashinfer_attention_warmup"}),
 ])
 def test_doctor_finds_upstream_warmups_per_release(release, present):
-    r = doctor(cpu_triton_env(), release=release)  # the release's fork server's environment
+    env = cpu_triton_env()
+    r = doctor(env, release=release, status=0 if env.get("KWARM_ENABLE") == "1" else 4)  # the release's fork server's environment
     assert r["versions"]["vllm"] is not None
     assert r["hook_target"]["found"] is True and r["hook_target"]["after_capture"]["found"] is True
     assert r["hook_target"]["before_profile"]["found"] is True and r["hook_target"]["before_load"]["found"] is True
@@ -77,7 +79,7 @@ def test_doctor_finds_upstream_warmups_per_release(release, present):
 def test_doctor_text_and_help():
     kwarm = Path(sys.executable).parent / "kwarm"
     text = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True, env=clean_env(CUDA_VISIBLE_DEVICES=""))
-    assert text.returncode == 0
+    assert text.returncode == 4  # disabled: kwarm would not hook this vLLM
     assert "hook target: vllm.v1.worker.gpu_worker.kernel_warmup found=yes" in text.stdout
     first = text.stdout.splitlines()[:5]  # the verdict first: would kwarm act here, and why not
     assert first[1].startswith("  worker hook: found") and first[1].endswith("GPU: none"), first
@@ -98,7 +100,7 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     kwarm = Path(sys.executable).parent / "kwarm"
     proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
                           env=clean_env(KWARM_ENABLE="banana", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0
+    assert proc.returncode == 5  # an invalid setting, and kwarm off
     r = json.loads(proc.stdout)
     assert r["enabled"] is False and r["gpu"]["available"] is False
     assert r["enable_text"] == "disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)"
@@ -194,7 +196,38 @@ def test_doctor_json_stays_json_when_kwarm_is_enabled_with_a_bad_setting():
     kwarm = Path(sys.executable).parent / "kwarm"
     proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
                           env=clean_env(KWARM_ENABLE="1", KWARM_BUDGET="fast", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert any("KWARM_BUDGET='fast'" in p for p in r["config_problems"])
-    assert "KWARM_BUDGET='fast' is invalid" in proc.stderr
+    assert "KWARM_BUDGET='fast' is invalid" not in proc.stderr  # said once, in the JSON
+
+
+@pytest.mark.parametrize("env, status", [
+    ({"KWARM_ENABLE": "1"}, 0),                               # valid, and the hook target is found
+    ({"KWARM_ENABLE": "1", "KWARM_BUDGET": "fast"}, 1),       # an invalid setting
+    ({}, 4),                                                  # disabled: would not hook vLLM
+    ({"KWARM_ENABLE": "1", "VLLM_PLUGINS": "other"}, 0),      # the .pth door still fires
+    ({"KWARM_ENABLE": "0", "KWARM_LOG_LEVEL": "chatty"}, 5),  # both
+])
+def test_doctor_exit_status_and_each_problem_once(env, status):
+    """Issue 63: `kwarm doctor` gates a deployment (documented statuses), and the text output
+    names a bad value once, stdout and stderr together."""
+    kwarm = Path(sys.executable).parent / "kwarm"
+    proc = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
+                          env=clean_env(CUDA_VISIBLE_DEVICES="", **env))
+    assert proc.returncode == status, proc.stdout[:2000] + proc.stderr[-2000:]
+    for key in ("KWARM_BUDGET", "KWARM_LOG_LEVEL"):
+        if key in env:
+            assert (proc.stdout + proc.stderr).count(f"{key}={env[key]!r}") == 1, proc.stdout + proc.stderr
+
+
+def test_doctor_exit_status_when_the_hook_target_is_missing():
+    from kwarm_ext import doctor as doctor_module
+
+    r = {"config_problems": [], "enabled": True, "enable_text": "enabled", "versions": {"vllm": "0.99.0"},
+         "doors": {".pth": {"would_fire": True}}, "hook_target": {"found": False, "error": "ImportError: x"}}
+    assert doctor_module.exit_status(r) == doctor_module.WOULD_NOT_HOOK
+    r["hook_target"] = {"found": True}
+    assert doctor_module.exit_status(r) == doctor_module.OK
+    r["versions"]["vllm"] = None
+    assert doctor_module.exit_status(r) == 4

@@ -793,7 +793,7 @@ def test_59_14_kwarm_doctor_prints_cache_file_names_escaped(tmp_path):
     folder.mkdir(parents=True)
     (folder / "m\x1b[2J\x07.json").write_text("{}")
     proc = kwarm_cli("doctor", timeout=300, env=clean_env(XDG_CACHE_HOME=str(tmp_path / "xdg"), CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 4, proc.stderr[-2000:]  # disabled: would not hook (README, doctor statuses)
     assert "m\\x1b[2J\\x07.json" in proc.stdout and "\x1b" not in proc.stdout and "\x07" not in proc.stdout
 
 

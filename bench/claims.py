@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""Every number of README's headline and BENCHMARKS.md's serving section, checked against the
+JSON under bench/published/.
+
+    python3 bench/claims.py          # prints each disagreement, exits 1 if there is one
+
+Each claim is a phrase rendered here from the published JSON; it must appear word for word in its
+document. The serving tables of BENCHMARKS.md must equal `serve_bench.py --table`'s rendering of
+the same JSON, and every number in the checked paragraphs (README's "Measured" and "Block-FP8"
+paragraphs, BENCHMARKS.md's "What this shows" bullets) must be one a claim of that document gives
+(or a setting of the benchmark, listed in SETTINGS). A number changed in the prose, or a result
+file changed under it, fails tests/test_claims.py. Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PUB = ROOT / "bench" / "published"
+SERVE = PUB / "vllm0.33.0-flashinfer-h100" / "serve"
+QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
+
+# Numbers in the checked paragraphs that are settings of the benchmark, not results.
+SETTINGS = {
+    # the burst's 16 concurrent streams (serve_bench.BURST); the sweep's 8192 token counts
+    # (max_num_batched_tokens)
+    "README.md": {"16", "8192"},
+    # 16 streams; the +10% start-cost goal; the 1.1x bar; HTTP 500, token 0
+    "BENCHMARKS.md": {"16", "10", "1.1", "500", "0"},
+}
+
+# (document, first line of the paragraph or block, the line that ends it (exclusive) or "" for a blank line)
+REGIONS = [
+    ("README.md", "**Measured**", ""),
+    ("README.md", "Block-FP8 checkpoints", ""),
+    ("BENCHMARKS.md", "**What this shows**", "### tiny-deepseek-v32, cold start"),
+]
+
+NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def serve(model: str) -> dict:
+    return load(SERVE / f"{model}.serve.json")
+
+
+def server(model: str, name: str) -> dict:
+    return serve(model)["phases"][0]["servers"][name]
+
+
+def req_s(model: str, name: str, kind: str, occurrence: str = "first") -> float | None:
+    """The request's headline time (TTFT for stream kinds, p99 TTFT for the burst) in seconds."""
+    for r in server(model, name)["requests"]:
+        if r["kind"] == kind and r["occurrence"] == occurrence:
+            if r.get("error"):
+                return None
+            return r["ttft_s"] if r.get("ttft_s") is not None else r["s"]
+    return None
+
+
+def ms(seconds) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def s1(seconds) -> str:
+    return f"{seconds:.1f}"
+
+
+def span(values, fmt) -> str:
+    """``a-b`` of the smallest and largest, as formatted (one value if they format the same)."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def pct(new, old) -> str:
+    return f"{100 * (new / old - 1):+.1f}%"
+
+
+def triton_in_requests(model: str, name: str) -> int:
+    return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0) for r in server(model, name)["requests"])
+
+
+def family(model: str, name: str) -> dict:
+    fams = server(model, "kwarm")["kwarm_report_summary"]["families"]
+    return next(f for f in fams if f["name"] == name)
+
+
+def engine(folder: str, name: str) -> dict:
+    return load(PUB / folder / f"{name}.json")
+
+
+def serving_claims(headline: bool = True) -> list[str]:
+    """Phrases about the serving benchmark: README's headline (`headline`), else BENCHMARKS.md's."""
+    ready = {(m, n): server(m, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
+    warm = {m: server(m, "kwarm")["kwarm_warmup_s"][0] for m in (QWEN, DSV)}
+    kinds = len(serve(QWEN)["request_kinds"])
+    assert kinds == len(serve(DSV)["request_kinds"])
+    f = lambda m, n, k, o="first": req_s(m, n, k, o)  # noqa: E731
+    seed_plain = [f(m, "plain", "chat-seed") for m in (QWEN, DSV)]
+    seed_kwarm = [f(m, "kwarm", "chat-seed") for m in (QWEN, DSV)]
+    first = [
+        f"{kinds} kinds of OpenAI requests",
+        "plain `vllm serve` still compiles "
+        f"{span([triton_in_requests(m, 'plain') for m in (QWEN, DSV)], str)} Triton kernels inside requests; "
+        f"with kwarm {'none' if not any(triton_in_requests(m, 'kwarm') for m in (QWEN, DSV)) else '?'}",
+        f"The first seeded sampled request: {span(seed_plain, s1)} s → {span(seed_kwarm, ms)} ms",
+    ] if headline else []
+    return first + [
+        f"Qwen3-Next's first tool call and long prompt: {ms(f(QWEN, 'plain', 'tool-call'))} and "
+        f"{ms(f(QWEN, 'plain', 'long-prompt'))} ms → {ms(f(QWEN, 'kwarm', 'tool-call'))} and "
+        f"{ms(f(QWEN, 'kwarm', 'long-prompt'))} ms",
+        f"the first burst of 16 streams (p99 TTFT): {ms(f(QWEN, 'plain', 'burst'))} ms (Qwen3-Next) and "
+        f"{ms(f(DSV, 'plain', 'burst'))} ms (DeepSeek-V3.2) → {ms(f(QWEN, 'kwarm', 'burst'))} and "
+        f"{ms(f(DSV, 'kwarm', 'burst'))} ms",
+        f"its long prompt's repeat: {ms(f(DSV, 'plain', 'long-prompt', 'repeat'))} ms, after a first of "
+        f"{ms(f(DSV, 'plain', 'long-prompt'))} ms; kwarm's first: {ms(f(DSV, 'kwarm', 'long-prompt'))} ms",
+        f"+{ready[QWEN, 'kwarm'] - ready[QWEN, 'plain']:.1f} s ({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, "
+        f"tiny Qwen3-Next, of {ready[QWEN, 'plain']:.0f} s; kwarm's warmup {s1(warm[QWEN])} s)",
+        f"+{ready[DSV, 'kwarm'] - ready[DSV, 'plain']:.1f} s ({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, "
+        f"tiny DeepSeek-V3.2, of {ready[DSV, 'plain']:.0f} s; {s1(warm[DSV])} s)",
+    ]
+
+
+def benchmarks_claims() -> list[str]:
+    f = req_s
+    both = (QWEN, DSV)
+    ready = [server(m, n)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")]
+    js = [f(m, "kwarm", "json-schema") / f(m, "kwarm", "json-schema", "repeat") for m in both]
+    xg = max(server(m, "kwarm")["requests"][[r["kind"] for r in server(m, "kwarm")["requests"]].index("json-schema")]
+             ["lazy"]["frontend_ms"].get("GrammarCompiler.compile_json_schema", 0) for m in both)
+    return serving_claims(headline=False) + [
+        f"{span([triton_in_requests(m, 'plain') for m in both], str)} for `vllm serve`, "
+        f"{sum(triton_in_requests(m, 'kwarm') for m in both)} with kwarm on both models",
+        f"first completion {ms(f(QWEN, 'plain', 'completion'))} ms and burst p99 TTFT "
+        f"{ms(f(QWEN, 'plain', 'burst'))} ms without kwarm",
+        f"{ms(f(QWEN, 'kwarm', 'completion'))} ms and {ms(f(QWEN, 'kwarm', 'burst'))} ms "
+        f"({f(QWEN, 'kwarm', 'completion') / f(QWEN, 'kwarm', 'completion', 'repeat'):.2f}x and "
+        f"{f(QWEN, 'kwarm', 'burst') / f(QWEN, 'kwarm', 'burst', 'repeat'):.2f}x their repeats)",
+        f"request {s1(f(DSV, 'plain', 'chat-seed'))} s and {s1(f(QWEN, 'plain', 'chat-seed'))} s without kwarm "
+        f"(`_topk_topp_kernel`), {ms(f(DSV, 'kwarm', 'chat-seed'))} and {ms(f(QWEN, 'kwarm', 'chat-seed'))} ms with it",
+        f"`min_p` {ms(f(DSV, 'plain', 'chat-min-p'))}/{ms(f(QWEN, 'plain', 'chat-min-p'))} ms against "
+        f"{ms(f(DSV, 'kwarm', 'chat-min-p'))}/{ms(f(QWEN, 'kwarm', 'chat-min-p'))} ms",
+        f"`prompt_logprobs` {ms(f(DSV, 'plain', 'prompt-logprobs'))}/{ms(f(QWEN, 'plain', 'prompt-logprobs'))} ms "
+        f"against {ms(f(DSV, 'kwarm', 'prompt-logprobs'))}/{ms(f(QWEN, 'kwarm', 'prompt-logprobs'))} ms",
+        f"({min(js):.2f}x and {max(js):.2f}x its repeat, "
+        f"{span([f(m, 'kwarm', 'json-schema') for m in both], ms)} against "
+        f"{span([f(m, 'kwarm', 'json-schema', 'repeat') for m in both], ms)} ms, with {xg:.0f} ms of xgrammar",
+        f"`dsa_indexer` {family(DSV, 'dsa_indexer')['seconds']:.1f} s ({family(DSV, 'dsa_indexer')['compiled']} "
+        f"compiles), `sampler` {family(DSV, 'sampler')['seconds']:.1f} s ({family(DSV, 'sampler')['compiled']} compiles)",
+        f"`sampler` {family(QWEN, 'sampler')['seconds']:.1f} s on tiny Qwen3-Next",
+        f"after {span(ready, lambda x: f'{x:.0f}')} s cold starts",
+    ]
+
+
+def fp8_claims() -> list[str]:
+    """README's Block-FP8 paragraph and BENCHMARKS.md's table of it (vLLM 0.29.0, H200)."""
+    ep = "vllm0.29.0-h200/fp8-early-parent"
+    fp8 = "vllm0.29.0-h200/fp8"
+    glm_off = engine(ep, "glm5-2l-fp8-vllm0.29.0-kwarmoff-cold")
+    dsv_cut = engine(ep, "deepseek-v32-2l-fp8-vllm0.29.0-kwarmoff-cold")
+    dsv_off = engine(fp8, "deepseek-v32-2l-fp8-vllm0.29.0-torch2.13.0-kwarmoff-cold")
+    assert glm_off["complete"] and dsv_off["complete"] and not dsv_cut["complete"]
+    on = {m: engine(ep, f"{m}-2l-fp8-vllm0.29.0-kwarmon-cold") for m in ("glm5", "deepseek-v32")}
+    warm = {m: engine(ep, f"{m}-2l-fp8-vllm0.29.0-kwarmon-warm") for m in ("glm5", "deepseek-v32")}
+    floor = [engine(fp8, f"{m}-2l-fp8-vllm0.29.0-torch2.13.0-kwarmoff-floor")["init_s"] for m in ("glm5", "deepseek-v32")]
+    sys.path.insert(0, str(ROOT / "bench"))
+    import table
+
+    dg = [int(re.search(r"(\d+) DeepGEMM", table.jit_cell(r)).group(1)) for r in (glm_off, dsv_off)]
+    return [
+        f"still compiled {span(dg, str)} DeepGEMM kernels",
+        f"vLLM alone starts cold in {glm_off['init_s']:.0f} s (GLM-5) and {dsv_off['init_s']:.0f} s (DeepSeek-V3.2",
+        f"for {glm_off['excess_s']:.1f} s (GLM-5) and {dsv_off['excess_s']:.1f} s (DeepSeek-V3.2) of excess",
+        f"With kwarm: {on['glm5']['init_s']:.0f} s (GLM-5, {100 * on['glm5']['init_s'] / glm_off['init_s']:.1f}% of "
+        f"vLLM alone's {glm_off['init_s']:.0f} s in the same call) and {on['deepseek-v32']['init_s']:.0f} s "
+        f"(DeepSeek-V3.2; vLLM alone's run in that call was cut short)",
+        f"excess {span([on[m]['excess_s'] for m in on], ms)} ms",
+        f"on a warm restart {span([warm[m]['kwarm_warmup_s'] for m in warm], s1)} s of warmup against "
+        f"{span([warm[m]['init_s'] for m in warm], lambda x: f'{x:.0f}')} s of init",
+        f"takes {span(floor, lambda x: f'{x:.0f}')} s",
+        # BENCHMARKS.md's table: the cut-short run is not a denominator
+        f"| off, cold | {dsv_cut['init_s']:.0f} s, cut short (no request ran) |",
+        f"Cold start {100 * on['glm5']['init_s'] / glm_off['init_s']:.1f}% (GLM-5) of vLLM alone",
+    ]
+
+
+def published_dims_claims() -> list[str]:
+    d = "vllm0.33.0-h200/published-dims"
+    r = {(m, k): engine(d, f"{m}-vllm0.33.0-kwarm{k}-cold")["init_s"]
+         for m in ("deepseek-v32-2l", "qwen3-next-80b-a3b-4l") for k in ("on", "off")}
+    u = "vllm0.33.0-h200/published-dims-unrecorded"
+    ru = {(m, k): engine(u, f"{m}-vllm0.33.0-kwarm{k}-cold")["init_s"]
+          for m in ("deepseek-v32-2l", "qwen3-next-80b-a3b-4l") for k in ("on", "off")}
+    return [f"| on, cold (learning, no manifest) | {ru['deepseek-v32-2l', 'on']:.0f} s "
+            f"({pct(ru['deepseek-v32-2l', 'on'], ru['deepseek-v32-2l', 'off'])}) |",
+            f"start {pct(ru['qwen3-next-80b-a3b-4l', 'on'], ru['qwen3-next-80b-a3b-4l', 'off'])} cold "
+            f"({ru['qwen3-next-80b-a3b-4l', 'on']:.0f} against {ru['qwen3-next-80b-a3b-4l', 'off']:.0f} s",
+            f"cold start {pct(r['deepseek-v32-2l', 'on'], r['deepseek-v32-2l', 'off'])} (DeepSeek-V3.2) and "
+            f"{pct(r['qwen3-next-80b-a3b-4l', 'on'], r['qwen3-next-80b-a3b-4l', 'off'])} (Qwen3-Next)"]
+
+
+def readme_claims() -> list[str]:
+    return serving_claims() + fp8_claims()[:7]
+
+
+def all_claims() -> dict[str, list[str]]:
+    return {"README.md": readme_claims(),
+            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:] + published_dims_claims()}
+
+
+def numbers(text: str) -> list[str]:
+    """The numbers a reader takes as results: not versions, model names (V3.2, H100) or identifiers."""
+    text = re.sub(r"`[^`]*`", " ", text)          # code spans: kernel and flag names
+    text = re.sub(r"\]\([^)]*\)", "]", text)       # link targets
+    return NUMBER.findall(text)
+
+
+def region(doc: str, start: str, end: str) -> str:
+    lines = doc.splitlines()
+    i = next((n for n, line in enumerate(lines) if line.startswith(start)), None)
+    if i is None:
+        return ""
+    out = []
+    for line in lines[i:]:
+        if (end and line.startswith(end)) or (not end and not line.strip() and out):
+            break
+        out.append(line)
+    return "\n".join(out)
+
+
+def serving_tables(doc: str) -> list[str]:
+    """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve_bench
+
+    results = [load(p) for p in sorted(SERVE.glob("*.serve.json"))]
+    want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
+    section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
+    have = [line for line in section.splitlines() if line.startswith("|")]
+    problems = [f"BENCHMARKS.md: serving table row not from the JSON: {line[:100]}" for line in have if line not in want]
+    problems += [f"BENCHMARKS.md: serving table row missing: {line[:100]}" for line in want if line not in have]
+    return problems
+
+
+def check(root: Path = ROOT) -> list[str]:
+    problems = []
+    docs = {name: (root / name).read_text() for name in ("README.md", "BENCHMARKS.md")}
+    claims = all_claims()
+    for name, phrases in claims.items():
+        flat = " ".join(docs[name].split())
+        for phrase in phrases:
+            if " ".join(phrase.split()) not in flat:
+                problems.append(f"{name}: does not say (from the JSON): {phrase!r}")
+    for name, start, end in REGIONS:
+        text = region(docs[name], start, end)
+        if not text:
+            problems.append(f"{name}: no paragraph starting {start!r}")
+            continue
+        known = {n for phrase in claims[name] for n in numbers(phrase)} | SETTINGS[name]
+        for n in numbers(text):
+            if n not in known:
+                problems.append(f"{name}: {n} in the paragraph {start!r} comes from no published JSON")
+    problems += serving_tables(docs["BENCHMARKS.md"])
+    return problems
+
+
+def main() -> int:
+    problems = check()
+    for p in problems:
+        print(p)
+    print(f"claims.py: {len(problems)} disagreement(s)" if problems else "claims.py: every checked number matches bench/published/")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

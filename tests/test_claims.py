@@ -1,0 +1,69 @@
+"""Issue 63, item 1: every number of README's headline and BENCHMARKS.md's serving section agrees
+with the JSON under bench/published/ (bench/claims.py)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import claims  # noqa: E402
+
+
+def test_every_checked_number_matches_the_published_json():
+    assert claims.check() == []
+
+
+def test_the_script_exits_zero_and_says_so():
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "claims.py")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+    assert "every checked number matches" in out.stdout
+
+
+def _docs_copy(tmp_path: Path) -> Path:
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    return tmp_path
+
+
+@pytest.mark.parametrize("doc, old, new, expect", [
+    # a claimed number changed: the claim is no longer found
+    ("README.md", "3.0-4.2 s → 54-57 ms", "3.0-4.2 s → 54-58 ms", "does not say"),
+    # a number with no JSON behind it added to a checked paragraph
+    ("README.md", "of a cold start.", "of a cold start, 1.0-1.5 s before.", "comes from no published JSON"),
+    ("BENCHMARKS.md", "still over the +10% goal", "still over the +10% goal (+33.3%)", "comes from no published JSON"),
+    # the issue's wrong claims, put back, fail
+    ("BENCHMARKS.md", "cold start +10.9% (DeepSeek-V3.2) and +3.0% (Qwen3-Next)", "cold start +10% and +2.9%", "does not say"),
+    ("README.md", "starts cold in 490 s (GLM-5) and 467 s", "starts cold in 490-522 s (GLM-5) and 467 s", "comes from no published JSON"),
+    # a serving table row edited
+    ("BENCHMARKS.md", "| chat-seed | 4236.6 |", "| chat-seed | 4236.7 |", "serving table row"),
+])
+def test_a_disagreeing_number_fails(tmp_path, doc, old, new, expect):
+    root = _docs_copy(tmp_path)
+    text = (root / doc).read_text()
+    assert old in text
+    (root / doc).write_text(text.replace(old, new, 1))
+    problems = claims.check(root)
+    assert any(expect in p for p in problems), problems
+
+
+def test_a_changed_result_file_fails(monkeypatch):
+    """The JSON is the source: a different first time of the seeded request disagrees with the docs."""
+    real = claims.req_s
+
+    def shifted(model, name, kind, occurrence="first"):
+        value = real(model, name, kind, occurrence)
+        return value + 0.010 if (kind, name, occurrence) == ("chat-seed", "kwarm", "first") else value
+
+    monkeypatch.setattr(claims, "req_s", shifted)
+    assert any("seeded" in p for p in claims.check())
+
+
+def test_numbers_skips_versions_models_and_code():
+    assert claims.numbers("vLLM 0.33.0 on an H100, DeepSeek-V3.2 and GLM-5, `sm90_x 12`, p99: 1.31x and 75 ms") \
+        == ["1.31", "75"]
