@@ -67,14 +67,14 @@ CONCAT_MLA = Build("concat_mla", "flashinfer.jit.dsv3_optimizations:gen_concat_m
                    "MLA prefill's concat_mla_k (128 heads per rank, 128/64 nope/rope)")
 
 
-def predict(vllm_config, capabilities: list, env=None) -> tuple[list, list]:
+def predict(vllm_config, capabilities: list) -> tuple[list, list]:
     """(builds, [why each other was not predicted]) for `vllm_config` on GPUs of `capabilities`
     ([(major, minor), ...], every visible GPU)."""
     builds, not_predicted = [], []
     model = getattr(vllm_config, "model_config", None)
     if not capabilities:
         return [], ["no NVIDIA GPU visible"]
-    reason = _sampler_reason(model, capabilities, env)
+    reason = _sampler_reason(model, capabilities)
     if reason is None:
         builds.append(SAMPLING)
     else:
@@ -87,7 +87,7 @@ def predict(vllm_config, capabilities: list, env=None) -> tuple[list, list]:
     return builds, not_predicted
 
 
-def _sampler_reason(model, capabilities, env) -> str | None:
+def _sampler_reason(model, capabilities) -> str | None:
     if getattr(model, "runner_type", "generate") != "generate":
         return "the model does not generate (no sampler)"
     try:
@@ -97,8 +97,7 @@ def _sampler_reason(model, capabilities, env) -> str | None:
         return f"vLLM's sampler not importable ({type(exc).__name__})"
     if not hasattr(topk_topp_sampler, "flashinfer_sampler_supported"):
         return "this vLLM has no FlashInfer sampler check (flashinfer_sampler_supported)"
-    flag = (env or os.environ).get("VLLM_USE_FLASHINFER_SAMPLER")
-    if not (envs.VLLM_USE_FLASHINFER_SAMPLER if flag is None else flag.strip() not in ("0", "")):
+    if not envs.VLLM_USE_FLASHINFER_SAMPLER:  # vLLM's own reading of the variable
         return "VLLM_USE_FLASHINFER_SAMPLER=0"
     try:
         from vllm.platforms.interface import DeviceCapability

@@ -223,8 +223,8 @@ def measure():
                 pass
 
 
-def largest(records) -> tuple[str, dict] | None:
-    """(name, memory) of the record whose ``memory`` peak reserved is largest, of
-    ``(name, record)`` pairs; None where none was measured."""
-    measured = [(name, rec["memory"]) for name, rec in records if rec.get("memory", {}).get("peak_reserved")]
+def largest(measured) -> tuple[str, dict] | None:
+    """The ``(name, memory)`` pair of `measured` whose peak reserved is largest; None where none
+    was measured (an empty or missing memory)."""
+    measured = [(name, used) for name, used in measured if (used or {}).get("peak_reserved")]
     return max(measured, key=lambda item: item[1]["peak_reserved"]) if measured else None

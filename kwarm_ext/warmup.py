@@ -65,6 +65,9 @@ class StepFailed(Exception):
     pass
 
 
+OUT_OF_MEMORY = "OutOfMemoryError"  # torch's, in a failed step's reason (StepFailed: "<Type>: <message>")
+
+
 def guarded(what: str, fn):
     """Run `fn` under kwarm's failure policy (``log.fail_open``): an exception is one warning
     naming `what`, then :class:`StepFailed` for the caller to record."""
@@ -362,7 +365,7 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         for step in steps:
             current[0] = step.name
             result.steps.append(_run_step(name, step))
-    largest = memory.largest((s["name"], s) for s in result.steps)
+    largest = memory.largest((s["name"], s.get("memory")) for s in result.steps)
     if largest is not None:
         result.memory = {"step": largest[0], **largest[1]}
     if reserved is not None and not FAMILIES[name].keeps_memory and (memory.reserved() or 0) > reserved:
@@ -443,7 +446,7 @@ def _run_step(family: str, step) -> dict:
             record["status"] = "ran"
         except StepFailed as exc:
             record["status"], record["reason"] = "failed", str(exc)
-            if "OutOfMemoryError" in str(exc):  # what the failed step held goes back before the next one
+            if OUT_OF_MEMORY in str(exc):  # what the failed step held goes back before the next one
                 with fail_open("could not return a failed step's GPU memory"):
                     memory.release()
     record["seconds"] = round(time.perf_counter() - t0, 4)
@@ -453,25 +456,20 @@ def _run_step(family: str, step) -> dict:
 
 
 def _node_cache_counts() -> dict | None:
-    """This rank's Triton compiles and its loads of another rank's (kwarm_ext/surfaces/triton/node_cache.py),
-    where kwarm's cache manager is Triton's."""
+    """This rank's Triton compiles and loads of another rank's, where kwarm's cache manager is in use."""
     try:
-        from triton import knobs
-
         from kwarm_ext.surfaces.triton import node_cache
-
-        return node_cache.counts() if knobs.cache.manager_class is node_cache.NodeCacheManager else None
-    except Exception:  # noqa: BLE001  (no Triton, or one before 3.4: no counts)
+    except Exception:  # noqa: BLE001  (no Triton)
         return None
+    return node_cache.counts_in_use()
 
 
 def _memory_line(report: dict, results: list, rank, when: str = "") -> None:
     """One line: kwarm's memory bound and the step that took the most (the report has them all)."""
     bound = report.get("memory")
-    steps = [(f"{r.name}.{r.memory['step']}", r.memory) for r in results if r.memory]
-    if not bound and not steps:
+    top = memory.largest((f"{r.name}.{r.memory['step']}", r.memory) for r in results if r.memory)
+    if not bound and top is None:
         return
-    top = max(steps, key=lambda item: item[1].get("peak_reserved", 0)) if steps else None
     text = (f"bound {memory.gib(bound['headroom'])} above {memory.gib(bound['base_allocated'])} allocated "
             f"({bound['how']})" if bound else "unbounded")
     if top is not None:
@@ -480,7 +478,7 @@ def _memory_line(report: dict, results: list, rank, when: str = "") -> None:
                  + (f" (+{memory.gib(used['above_base'])})" if "above_base" in used else "")
                  + f", {memory.gib(used.get('peak_reserved'))} reserved")
     oom = [f"{r.name}.{s['name']}" for r in results for s in r.steps
-           if s["status"] == "failed" and "OutOfMemoryError" in (s.get("reason") or "")]
+           if s["status"] == "failed" and OUT_OF_MEMORY in (s.get("reason") or "")]
     if oom:
         text += f"; out of memory within the bound, skipped: {', '.join(oom)}"
     report["memory_summary"] = text

@@ -24,9 +24,17 @@ def config(mla=False, heads=128, nope=128, rope=64, tp=1, runner="generate"):
     return types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=mla, hf_text_config=hf, runner_type=runner),
                                  parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
 
+def off():
+    import os
+    os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    try:
+        return early_builds.predict(config(), [(9, 0)])
+    finally:
+        del os.environ["VLLM_USE_FLASHINFER_SAMPLER"]
+
 cases = {
     "h100": early_builds.predict(config(), [(9, 0)]),
-    "h100 off": early_builds.predict(config(), [(9, 0)], {"VLLM_USE_FLASHINFER_SAMPLER": "0"}),
+    "h100 off": off(),
     "pascal": early_builds.predict(config(), [(6, 0)]),
     "pooling": early_builds.predict(config(runner="pooling"), [(9, 0)]),
     "dsv32": early_builds.predict(config(mla=True), [(9, 0)]),

@@ -304,10 +304,9 @@ def disk_cache_entries() -> int | None:
     try:
         from triton import knobs
 
-        from kwarm_ext.surfaces.triton.node_cache import SPEC, NodeCacheManager
+        from kwarm_ext.surfaces.triton.node_cache import users_own_manager
 
-        if os.environ.get("TRITON_CACHE_MANAGER") not in (None, "", SPEC) \
-                or knobs.cache.manager_class not in (None, NodeCacheManager):  # kwarm's own keeps Triton's layout
+        if users_own_manager():  # (kwarm's own keeps Triton's layout)
             return None
         with os.scandir(knobs.cache.dir) as entries:
             return sum(1 for _ in entries)

@@ -49,6 +49,27 @@ def counts() -> dict:
         return dict(_counts, waited_s=round(_counts["waited_s"], 3))
 
 
+def counts_in_use() -> dict | None:
+    """:func:`counts` where Triton uses :class:`NodeCacheManager` in this process, else None."""
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before 3.4: the environment names the manager
+        return counts() if os.environ.get("TRITON_CACHE_MANAGER") == SPEC else None
+    return counts() if knobs.cache.manager_class is NodeCacheManager else None
+
+
+def users_own_manager() -> bool:
+    """Whether the user gave Triton a cache manager of their own (``TRITON_CACHE_MANAGER`` or
+    ``knobs.cache.manager_class``): kwarm then leaves it, and cannot read Triton's folder layout."""
+    if os.environ.get("TRITON_CACHE_MANAGER") not in (None, "", SPEC):
+        return True
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    return knobs.cache.manager_class not in (None, NodeCacheManager)
+
+
 def _count(**deltas) -> None:
     with _counts_lock:
         for key, value in deltas.items():
@@ -113,15 +134,12 @@ class NodeCacheManager(FileCacheManager):
 def install() -> str | None:
     """Make Triton use :class:`NodeCacheManager` in this process (and, on Triton before 3.4, in the
     processes it starts); a description, or None where the user has a cache manager of their own."""
-    if os.environ.get("TRITON_CACHE_MANAGER") not in (None, "", SPEC):
+    if users_own_manager():
         return None
     try:
         from triton import knobs
     except ImportError:  # Triton before 3.4: read from the environment on every compile
         os.environ["TRITON_CACHE_MANAGER"] = SPEC
         return "TRITON_CACHE_MANAGER"
-    current = knobs.cache.manager_class
-    if current not in (None, NodeCacheManager):
-        return None
     knobs.cache.manager_class = NodeCacheManager
     return "knobs.cache.manager_class"
