@@ -183,7 +183,15 @@ STRUCTURED_OUTPUT = Family("structured_output", "kwarm_ext.structured_output",
                            "compilers) while the engine starts, for the first structured request to use",
                            "none: vLLM builds it on the first structured request (0.20-0.33)",
                            process="engine core")
-PROCESS_FAMILIES = {f.name: f for f in (FRONTEND, STRUCTURED_OUTPUT)}
+# Not a worker family: it runs in the API server of `vllm serve`, just before it listens
+# (kwarm_ext/patches.py wraps serve_http), sending one request of each kind through vLLM's app.
+WARM_REQUESTS = Family("warm_requests", "kwarm_ext.warm_requests",
+                       "API server: one request of each kind (chat, sampling options, logprobs, JSON schema, "
+                       "tool call, streaming, a chunked prompt, concurrent streams) through vLLM's own app and "
+                       "engine before the server listens; prefix cache reset, vLLM's metrics held back",
+                       "none: vLLM warms its chat template's rendering (0.33+), not the request path",
+                       process="API server")
+PROCESS_FAMILIES = {f.name: f for f in (FRONTEND, STRUCTURED_OUTPUT, WARM_REQUESTS)}
 
 
 def selectable() -> tuple:

@@ -16,7 +16,9 @@ documented at :func:`_wrap_warmup_kernels`),
 :func:`_wrap_input_processor_init`) and ``vllm.engine.arg_utils.EngineArgs.create_engine_config``
 (deep_gemm's early start, documented at :func:`_wrap_create_engine_config`), and
 ``vllm.v1.structured_output.StructuredOutputManager.__init__`` and ``.grammar_init`` (xgrammar's
-backend built at start, documented at :func:`_wrap_structured_output_init`). FlashInfer's:
+backend built at start, documented at :func:`_wrap_structured_output_init`), and ``serve_http`` in
+the API server's module (kwarm's warm requests before the server listens, documented at
+:func:`_wrap_serve_http`). FlashInfer's:
 ``flashinfer.jit.core.JitSpec.build_and_load`` (each JIT module built or loaded, for the monitor and
 the learner: defined and documented beside its surface, kwarm_ext/surfaces/flashinfer.py).
 
@@ -372,6 +374,44 @@ def _wrap_grammar_init(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _wrap_serve_http(wrapped, instance, args, kwargs):
+    """Send kwarm's warm requests to the app (``kwarm_ext.warm_requests``), then run vLLM's
+    ``serve_http``, which starts uvicorn on it.
+
+    Why: with every kernel compiled at start, the first request of each kind still pays for
+    Python's, the tokenizer's, xgrammar's and torch's first use (1.4-4.6x its repeat, issue 60);
+    ``serve_http`` is the last call before the server listens, with the app's state complete, in
+    every release 0.20-0.34 (imported by name into ``vllm/entrypoints/openai/api_server.py`` before
+    0.33 and ``vllm/entrypoints/launchers/api_server/entry.py`` since: that module's attribute is what
+    is wrapped). It can go when vLLM warms its request path before it listens.
+    """
+
+    async def warm_then_serve():
+        app = args[0] if args else kwargs.get("app")
+        with fail_open("warm requests failed, the first requests pay for their first use"):
+            from kwarm_ext import warm_requests
+
+            await warm_requests.run(app)
+        return await wrapped(*args, **kwargs)
+
+    return warm_then_serve()
+
+
+def _launchers_absent() -> bool:
+    """Whether this vLLM predates 0.33's ``vllm.entrypoints.launchers`` (its API server is then
+    ``vllm.entrypoints.openai.api_server``, which 0.33 keeps as a shim without ``serve_http``)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("vllm.entrypoints.launchers") is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _launchers_present() -> bool:
+    return not _launchers_absent()
+
+
 _V2_WARMUP_RUNNERS: "weakref.WeakSet" = None  # runners vLLM ran Model Runner V2's warmup_kernels on
 
 
@@ -429,6 +469,11 @@ STRUCTURED_OUTPUT_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "__init__", _wrap_struc
                                owner="StructuredOutputManager")
 GRAMMAR_INIT = Patch(STRUCTURED_OUTPUT_MODULE, "grammar_init", _wrap_grammar_init, "0.20-0.34",
                      "the backend kwarm built is not used", owner="StructuredOutputManager")
+SERVE_HTTP = Patch("vllm.entrypoints.openai.api_server", "serve_http", _wrap_serve_http, "0.20-0.32",
+                   "the warm requests do not run, the first requests pay for their first use", when=_launchers_absent)
+SERVE_HTTP_LAUNCHERS = Patch("vllm.entrypoints.launchers.api_server.entry", "serve_http", _wrap_serve_http, "0.33-0.34",
+                             "the warm requests do not run, the first requests pay for their first use",
+                             when=_launchers_present)
 PATCHES = (SERIALIZER, ENGINE_CONFIG, BEFORE_LOAD, MODEL_BUILT, BEFORE_PROFILE, KERNEL_WARMUP, V2_WARMUP, AFTER_CAPTURE,
-           INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT,
+           INPUT_PROCESSOR, STRUCTURED_OUTPUT_INIT, GRAMMAR_INIT, SERVE_HTTP, SERVE_HTTP_LAUNCHERS,
            FLASHINFER_BUILD)

@@ -46,7 +46,8 @@ PY
   rm -rf "$dest/.whl"
   # Extra modules an import of this release asks for beyond 0.24.0's dependencies.
   case "$ver" in
-    0.33.*) pip_ install -q --no-deps --target "$dest" "humming-kernels==0.1.19" ;;
+    0.33.*) pip_ install -q --no-deps --target "$dest" "humming-kernels==0.1.19" orjson ;;
+    0.34.*) pip_ install -q --no-deps --target "$dest" orjson ;;  # its API server's JSON
   esac
   touch "$dest/.complete"
 done
