@@ -87,7 +87,7 @@ def test_doctor_text_and_help():
     assert first[3].startswith("  not here (kwarm is disabled (KWARM_ENABLE)): ") and "runner" in first[3], first
     enabled = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
                              env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES="")).stdout.splitlines()
-    assert enabled[2] == "  families that run here: none; in vLLM's other processes: frontend, structured_output"
+    assert enabled[2] == "  families that run here: none; in vLLM's other processes: frontend, structured_output, warm_requests"
     assert enabled[3].startswith("  not here (no CUDA GPU is visible"), enabled[:5]
     help_ = subprocess.run([str(kwarm), "--help"], capture_output=True, text=True, env=clean_env())
     assert "kwarm run" in help_.stdout and "KWARM_WARMUPS" in help_.stdout
