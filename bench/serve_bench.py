@@ -294,6 +294,27 @@ KWARM_DONE_RE = re.compile(r"kwarm: warmup done in ([\d.]+) s")
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 
 
+# What a user could see of requests made before ready (kwarm's warm requests): vLLM's engine
+# counters and the HTTP middleware's, each summed over its label sets, read once at ready.
+TRAFFIC_METRICS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                   "vllm:prefix_cache_queries_total", "http_requests_total")
+
+
+def traffic_counters(text: str) -> dict:
+    """``{metric: summed value}`` of :data:`TRAFFIC_METRICS` in a Prometheus text page (absent: left out)."""
+    out: dict = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in TRAFFIC_METRICS:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
 def kv_cache_tokens(lines) -> int | None:
     """The token count of vLLM's "GPU KV cache size: N tokens" line (the last one), if any."""
     found = [int(m.group(1).replace(",", "")) for m in map(KV_TOKENS_RE.search, lines) if m]
@@ -392,6 +413,14 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def traffic_at_ready(self) -> dict | None:
+        """The server's traffic counters right after ready (:func:`traffic_counters`), None if unread."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+                return traffic_counters(r.read().decode("utf-8", "replace"))
+        except Exception:
+            return None
 
     def stop(self, grace: float = 30) -> None:
         if self.proc is None:
@@ -633,6 +662,7 @@ def start_phase(servers: list[Server], phase: str, timeout: float, log) -> dict:
         lines, _ = s.log_lines(0)
         ready = s.ready_at is not None
         info = {"ready": ready, "launch_to_ready_s": round(s.ready_at - s.launched, 2) if ready else None,
+                "traffic_at_ready": s.traffic_at_ready() if ready else None,
                 "exit_code": None if s.alive() else (s.proc.returncode if s.proc else None),
                 "backends": backends_from_log(lines), "kv_cache_tokens": kv_cache_tokens(lines),
                 "lazy_before_ready": summarize_lazy(events_between(load_events(s.events_path), s.launched,
@@ -825,6 +855,16 @@ def ratio_text(first, repeat) -> str:
     return f"{first / repeat:.2f}"
 
 
+def traffic_text(counters: dict | None) -> str:
+    """``requests 0, prompt tokens 0, ...`` of :func:`traffic_counters`; ``—`` when unread."""
+    if counters is None:
+        return "—"
+    short = {"vllm:request_success_total": "requests", "vllm:prompt_tokens_total": "prompt tokens",
+             "vllm:generation_tokens_total": "generated tokens", "vllm:prefix_cache_queries_total": "prefix-cache queries",
+             "http_requests_total": "HTTP requests"}
+    return ", ".join(f"{short[m]} {counters[m]:g}" for m in TRAFFIC_METRICS if m in counters) or "none of them"
+
+
 def render(results: list[dict]) -> str:
     out = []
     for res in results:
@@ -858,6 +898,9 @@ def render(results: list[dict]) -> str:
             memory_text = (kw.get("kwarm_report_summary") or {}).get("memory")
             if memory_text:
                 out.append(f"| kwarm's GPU memory (its report) | | {memory_text} |")
+            if plain.get("traffic_at_ready") or kw.get("traffic_at_ready"):
+                out.append(f"| `/metrics` at ready (besides the readiness poll) | {traffic_text(plain.get('traffic_at_ready'))} | "
+                           f"{traffic_text(kw.get('traffic_at_ready'))} |")
             for key, label in (("lazy_before_ready", "lazy work before ready"), ("between_requests", "lazy work between requests")):
                 out.append(f"| {label} | {lazy_text(plain.get(key), 3)} | {lazy_text(kw.get(key), 3)} |")
             out.append("")

@@ -375,3 +375,26 @@ def test_one_at_a_time_runs_each_server_alone_and_saves_the_result(tmp_path, mon
         assert s["ready"] and s["peak_gpu_mib"] == 1234 and len(s["requests"]) == 2 * len(serve_bench.REQUEST_KINDS)
     assert all(s["requests"][-1]["t1"] < servers["kwarm"]["requests"][0]["t0"] for s in [servers["plain"]])
     assert result["args"]["kv_bytes"] == "" and "--kv-cache-memory-bytes" not in result["commands"]["plain"]
+
+
+def test_traffic_at_ready_reads_vllms_and_the_http_middlewares_counters_from_a_real_metrics_page():
+    """What a user could see of kwarm's warm requests: vLLM's engine counters and the HTTP metrics
+    at ready, read from a page prometheus_client itself writes (vLLM's names, label sets summed)."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()
+    success = Counter("vllm:request_success", "", ["model_name", "finished_reason"], registry=registry)
+    success.labels("bench", "length").inc(2)
+    success.labels("bench", "stop").inc(1)
+    Counter("vllm:prompt_tokens", "", ["model_name"], registry=registry).labels("bench").inc(0)
+    Counter("http_requests", "", ["handler", "status"], registry=registry).labels("/v1/models", "2xx").inc()
+    Gauge("vllm:num_requests_running", "", registry=registry).set(5)  # not traffic: left out
+    counters = serve_bench.traffic_counters(generate_latest(registry).decode())
+    assert counters == {"vllm:request_success_total": 3.0, "vllm:prompt_tokens_total": 0.0,
+                        "http_requests_total": 1.0}
+    assert serve_bench.traffic_text(counters) == "requests 3, prompt tokens 0, HTTP requests 1"
+    assert serve_bench.traffic_text(None) == "—" and serve_bench.traffic_text({}) == "none of them"
+    table = serve_bench.render([{"model": "m", "versions": {}, "phases": [{"phase": "cold", "servers": {
+        "plain": {"launch_to_ready_s": 10.0, "traffic_at_ready": {"http_requests_total": 1.0}},
+        "kwarm": {"launch_to_ready_s": 9.0, "traffic_at_ready": counters}}}]}])
+    assert "| `/metrics` at ready (besides the readiness poll) | HTTP requests 1 | requests 3, prompt tokens 0, HTTP requests 1 |" in table
