@@ -92,9 +92,14 @@ def _find_elsewhere(fullname, path, target):
     importlib is walking, which would make it skip the next finder)."""
     for finder in list(sys.meta_path):
         find_spec = getattr(finder, "find_spec", None)
-        if find_spec is None:
-            continue
-        spec = find_spec(fullname, path, target)
-        if spec is not None:
-            return spec
+        if find_spec is not None:
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        elif getattr(finder, "find_module", None) is not None:  # a legacy finder (Python < 3.12)
+            loader = finder.find_module(fullname, path)
+            if loader is not None:
+                import importlib.util
+
+                return importlib.util.spec_from_loader(fullname, loader)
     return None
