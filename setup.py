@@ -1,7 +1,8 @@
 """Build hook for the two files a wheel cannot express in pyproject.toml.
 
 - ``kwarm-ext.pth`` goes to the root of site-packages: the first activation door
-  (one env-gated line, see kwarm_ext/_pth.py).
+  (one env-gated line that arms ``_kwarm_door``, a top-level module of pyproject.toml's
+  ``py-modules``; _kwarm_door.py says why).
 - The repository's top-level ``sitecustomize.py`` goes to
   ``kwarm_ext/_bootstrap/sitecustomize.py``: the directory ``kwarm run`` puts first
   on PYTHONPATH. It is never installed as a top-level ``sitecustomize``.

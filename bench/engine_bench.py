@@ -374,7 +374,8 @@ def activate_kwarm(mode: str) -> dict:
     mod = sys.modules.get("kwarm_ext")
     if mode == "off":
         act = sys.modules.get("kwarm_ext.activation")
-        if act is not None and act.is_active():
+        door = sys.modules.get("_kwarm_door")  # the .pth door, armed at start-up, opens at vLLM's import
+        if (act is not None and act.is_active()) or (door is not None and door.armed()):
             raise SystemExit("engine_bench: kwarm was activated at startup (KWARM_ENABLE exported?); "
                              "unset KWARM_ENABLE for --kwarm off")
         return {"active": False, "doors": []}
@@ -384,9 +385,9 @@ def activate_kwarm(mode: str) -> dict:
     except ImportError as exc:
         raise SystemExit(f"engine_bench: --kwarm on but kwarm_ext is not importable: {exc}")
     if mod is not None:
-        config.reset()  # the .pth door parsed KWARM_* before this script set KWARM_REPORT
+        config.reset()  # a door parsed KWARM_* before this script set KWARM_REPORT
     try:
-        # The plugin door fires inside vLLM; .pth only when KWARM_ENABLE was set at startup.
+        # The plugin door fires inside vLLM; .pth (at vLLM's import) only when KWARM_ENABLE was set at startup.
         # This covers neither firing (e.g. a --target install without entry points).
         kwarm_ext.activate("bench")
     except Exception as exc:

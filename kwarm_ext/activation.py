@@ -4,7 +4,9 @@ Doors (each ends here, each a no-op unless ``KWARM_ENABLE`` is truthy):
 
 1. ``kwarm-ext.pth`` in site-packages: one line that imports nothing unless the
    variable is set, so ``pip install kwarm-ext`` + ``KWARM_ENABLE=1 vllm serve`` works in
-   every process vLLM starts, forked or spawned.
+   every process vLLM starts, forked or spawned. Set, it arms ``_kwarm_door`` (a ``sys.meta_path``
+   finder), which calls :func:`activate` at the first import of vLLM, Triton or FlashInfer, before
+   their code runs: a process that imports none of them imports nothing of kwarm.
 2. ``kwarm run -- CMD``: ``sitecustomize.py`` from kwarm's bootstrap directory.
 3. The ``vllm.general_plugins`` entry point ``kwarm``, which vLLM calls in the engine
    and in every worker before it imports the worker class.

@@ -30,13 +30,17 @@ def doors(enabled: bool) -> dict:
     from kwarm_ext.activation import bootstrap_dir
 
     pth = [p for d in _site_dirs() for p in glob.glob(os.path.join(d, "kwarm-ext.pth"))]
+    door = _door_module()
     boot = bootstrap_dir(write=False)
     on_path = boot in os.environ.get("PYTHONPATH", "").split(os.pathsep)
     eps = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kwarm"]
     plugins = os.environ.get("VLLM_PLUGINS")
     plugin_allowed = plugins is None or "kwarm" in [p.strip() for p in plugins.split(",")]
     return {
-        ".pth": {"installed": bool(pth), "path": pth[0] if pth else None, "would_fire": bool(pth) and enabled},
+        ".pth": {"installed": bool(pth) and door is not None, "path": pth[0] if pth else None,
+                 "would_fire": bool(pth) and door is not None and enabled,
+                 "note": ("_kwarm_door is missing: reinstall kwarm" if pth and door is None else
+                          "opens at the first import of " + ", ".join(sorted(door.TRIGGERS)) if door else None)},
         "kwarm run (sitecustomize)": {"installed": os.path.isfile(os.path.join(boot, "sitecustomize.py")),
                                       "path": boot, "would_fire": on_path and enabled,
                                       "note": None if on_path else "fires under `kwarm run` only"},
@@ -44,6 +48,15 @@ def doors(enabled: bool) -> dict:
                                  "would_fire": bool(eps) and enabled and plugin_allowed,
                                  "note": None if plugin_allowed else f"VLLM_PLUGINS={plugins!r} excludes kwarm"},
     }
+
+
+def _door_module():
+    """The ``.pth`` line's ``_kwarm_door`` module (it imports nothing), or None where it is missing."""
+    try:
+        import _kwarm_door
+    except ImportError:
+        return None
+    return _kwarm_door
 
 
 def hook_target() -> dict:
@@ -153,6 +166,8 @@ def collect() -> dict:
         "flashinfer": flashinfer_jit(),
         "surfaces": jit_surfaces(),
     }
+    # the .pth door opens at vLLM's import (hook_target's): whether kwarm is active here, after it
+    report["active_in_this_process"] = activation.is_active()
     if vllm:
         try:
             found = detect()

@@ -120,7 +120,7 @@ def _child(argv: list, *, env: dict | None, release: str | None, timeout: float,
 def _startup_env(env: dict) -> tuple:
     """What of `env` a fresh interpreter can have read before running its code: everything but
     kwarm's settings (read when kwarm_ext is imported, which the fork server never does) and
-    pytest's own variables. KWARM_ENABLE stays: it opens kwarm's .pth door at start-up."""
+    pytest's own variables. KWARM_ENABLE stays: it arms kwarm's .pth door at start-up."""
     return tuple(sorted((k, v) for k, v in env.items()
                         if k == "KWARM_ENABLE" or not k.startswith(("KWARM_", "PYTEST_"))))
 
@@ -220,7 +220,8 @@ class _ForkServers:
     """The fork servers this pytest process uses, one per start-up environment of a release run,
     shared with the run's other workers (``KWARM_TEST_FORKSERVER=0``: none, every run a fresh
     interpreter). Only an environment
-    without KWARM_ENABLE gets one: with it, kwarm's door runs at interpreter start."""
+    without KWARM_ENABLE gets one: with it, kwarm's .pth door is armed at interpreter start (and opens
+    at the first import of vLLM or Triton, which a server would have made before forking)."""
 
     LIMIT = 6  # about 1 GB each: the five releases of MATRIX and one more environment
 

@@ -23,6 +23,8 @@ def test_doctor_reports_installed_doors_and_hook_target():
     r = doctor(clean_env(KWARM_ENABLE="1", KWARM_WARMUPS="qwen_gdn,-runner", CUDA_VISIBLE_DEVICES=""))
     assert r["versions"]["vllm"] == "0.24.0" and r["versions"]["triton"] and r["versions"]["torch"]
     assert r["doors"][".pth"]["installed"] and r["doors"][".pth"]["would_fire"]
+    assert r["doors"][".pth"]["note"] == "opens at the first import of flashinfer, triton, vllm"
+    assert r["active_in_this_process"] is True  # the door opened at the doctor's import of vLLM
     assert r["doors"]["vllm.general_plugins"]["would_fire"]
     assert r["doors"]["kwarm run (sitecustomize)"]["would_fire"] is False  # not under `kwarm run`
     assert r["hook_target"]["found"] is True and r["hook_target"]["patched"] is True

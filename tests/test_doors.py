@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import timeit
 from pathlib import Path
 
@@ -16,6 +17,13 @@ HEAVY = ("kwarm_ext", "wrapt", "torch", "vllm", "triton")
 PROBE = """
 import sys, json
 print(json.dumps({m: m in sys.modules for m in %r}))
+""" % (HEAVY,)
+# KWARM_ENABLE=1 at start: the .pth line arms _kwarm_door (nothing else), which waits on sys.meta_path
+DOOR_PROBE = """
+import sys, json
+door = sys.modules.get("_kwarm_door")
+print(json.dumps({"heavy": [m for m in %r if m in sys.modules], "door": door is not None,
+                  "armed": door is not None and door.armed()}))
 """ % (HEAVY,)
 ACTIVE = """
 import sys, json
@@ -62,6 +70,7 @@ def test_wheel_layout(wheel):
 
     names = zipfile.ZipFile(wheel).namelist()
     assert "kwarm-ext.pth" in names  # at the root of site-packages
+    assert "_kwarm_door.py" in names  # the one module the .pth line imports, beside kwarm_ext
     assert "kwarm_ext/_bootstrap/sitecustomize.py" in names
     assert "kwarm_ext/kernels/__init__.py" in names
     assert not any(n.startswith(("kernels/", "sitecustomize")) for n in names)  # no top-level squatting
@@ -88,17 +97,37 @@ def test_sdist_builds_and_carries_what_the_wheel_is_built_from(tmp_path):
         names = tar.getnames()
         pkg_info = tar.extractfile(next(n for n in names if n.endswith("/PKG-INFO"))).read().decode()
     root = names[0].split("/")[0]
-    for path in ("kwarm_ext/kwarm-ext.pth", "kernels/eager_gemm.py", "sitecustomize.py", "setup.py", "README.md"):
+    for path in ("kwarm_ext/kwarm-ext.pth", "_kwarm_door.py", "kernels/eager_gemm.py", "sitecustomize.py", "setup.py", "README.md"):
         assert f"{root}/{path}" in names, path
     assert "License-Expression: Apache-2.0" in pkg_info and "Requires-Dist: wrapt" in pkg_info
 
 
-def test_pth_door_in_a_fresh_venv(fresh_venv):
+def stub_packages(tmp_path, *names) -> str:
+    """A folder of empty packages named `names` (no vLLM or Triton in the fresh venv), each
+    noting whether kwarm was active when its own code ran."""
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            "import sys\nactivation = sys.modules.get('kwarm_ext.activation')\n"
+            "KWARM_ACTIVE_BEFORE = bool(activation and activation.is_active())\n")
+    return str(tmp_path)
+
+
+def test_pth_door_in_a_fresh_venv(fresh_venv, tmp_path):
     off = last_json(run_py(PROBE, env=bare_env(), python=str(fresh_venv)))
     assert off == {m: False for m in HEAVY}
-    on = last_json(run_py(ACTIVE, env=bare_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
-    # a venv's lib64 -> lib link can make site run the .pth twice: activation is idempotent
-    assert on["active"] is True and set(on["sources"]) == {".pth"} and on["heavy"] == []
+    # enabled: nothing of kwarm but the door until a package kwarm hooks is imported
+    armed = last_json(run_py(DOOR_PROBE, env=bare_env(KWARM_ENABLE="1"), python=str(fresh_venv)))
+    assert armed == {"heavy": [], "door": True, "armed": True}
+    stubs = stub_packages(tmp_path, "vllm", "triton")
+    for package in ("vllm", "triton"):
+        code = f"import {package}\n" + ACTIVE.replace('"active"', f'"before": {package}.KWARM_ACTIVE_BEFORE, "active"')
+        env = dict(bare_env(KWARM_ENABLE="1"), PYTHONPATH=stubs)
+        on = last_json(run_py(code, env=env, python=str(fresh_venv)))
+        # active before the package's own code ran; a venv's lib64 -> lib link can make site run
+        # the .pth twice: the door is armed once, activation is idempotent
+        assert on["before"] is True and on["active"] is True and on["sources"] == [".pth"], package
+        assert on["heavy"] == [package]
     # KWARM_ENABLE set but false: as free as unset, nothing of kwarm imported
     for falsy in ("0", "false", "no", "off", " OFF "):
         proc = run_py(PROBE, env=bare_env(KWARM_ENABLE=falsy), python=str(fresh_venv))
@@ -124,6 +153,75 @@ def test_doctor_without_vllm_or_torch_says_why(fresh_venv):
 
 def test_disabled_means_free_in_the_test_venv():
     assert last_json(run_py(PROBE, env=clean_env())) == {m: False for m in HEAVY}
+
+
+def start_s(python: str, envs: list, runs: int = 9) -> list:
+    """The fastest of `runs` starts of ``python -c pass`` in each of `envs` (interleaved, so that a
+    loaded machine slows each alike; the minimum is what the start itself costs)."""
+    best = [float("inf")] * len(envs)
+    for _ in range(runs):
+        for i, env in enumerate(envs):
+            t0 = time.perf_counter()
+            subprocess.run([python, "-c", "pass"], env=env, check=True, cwd="/")
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def test_enabled_costs_nothing_where_vllm_is_never_imported(tmp_path):
+    """Issue 63: KWARM_ENABLE=1 set for a whole container cost every Python start 0.16-0.21 s
+    (kwarm activated at start-up); the door defers all of it to vLLM's import. Here, in the test
+    venv (vLLM, torch and Triton installed): a start imports nothing heavy, and takes as long as one
+    with kwarm disabled, and one in a venv without kwarm."""
+    proc = run_py(DOOR_PROBE, env=clean_env(KWARM_ENABLE="1"), args=("-X", "importtime"))
+    assert last_json(proc) == {"heavy": [], "door": True, "armed": True}
+    imported = [line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert not [m for m in imported if m.split(".")[0] in HEAVY], imported
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    enabled, disabled = start_s(sys.executable, [clean_env(KWARM_ENABLE="1"), clean_env()])
+    (without,) = start_s(str(bare / "bin" / "python"), [bare_env(KWARM_ENABLE="1")])
+    assert enabled - disabled < 0.02 and enabled - without < 0.02, \
+        f"python -c pass: {enabled * 1e3:.1f} ms enabled, {disabled * 1e3:.1f} ms disabled, {without * 1e3:.1f} ms without kwarm"
+
+
+def test_real_vllm_import_opens_the_door():
+    """The real vLLM: its import activates kwarm through the door, before vLLM's own code runs, and
+    the worker's hooks are applied as when the door opened at start-up."""
+    code = """
+    import json, sys
+    import _kwarm_door
+    armed = _kwarm_door.armed()
+    import vllm
+    from kwarm_ext import activation, patches
+    active_with_vllm = activation.is_active()
+    import vllm.v1.worker.gpu_worker as g
+    print(json.dumps({"armed": armed, "active": active_with_vllm, "sources": activation.SOURCES,
+                      "patched": patches.is_patched(g), "armed_after": _kwarm_door.armed(),
+                      "door_on_meta_path": any(type(f).__name__ == "KwarmDoor" for f in sys.meta_path)}))
+    """
+    result = last_json(run_py(code, env=clean_env(KWARM_ENABLE="1", CUDA_VISIBLE_DEVICES=""), timeout=240))
+    assert result == {"armed": True, "active": True, "sources": [".pth"], "patched": True, "armed_after": False,
+                      "door_on_meta_path": False}
+
+
+def test_door_triggers_cover_every_import_hook(monkeypatch):
+    """The door opens at the first import of a package of :data:`_kwarm_door.TRIGGERS`: every module
+    kwarm hooks must be under one, or its hook would be registered too late."""
+    import _kwarm_door
+    import wrapt
+
+    from kwarm_ext import patches
+    from kwarm_ext.surfaces import flashinfer
+
+    hooked = []
+    monkeypatch.setattr(wrapt, "register_post_import_hook", lambda hook, name: hooked.append(name))
+    monkeypatch.setattr(patches, "_installed", False)
+    monkeypatch.setattr(flashinfer, "_hook_registered", False)
+    monkeypatch.delitem(sys.modules, flashinfer.FLASHINFER_BUILD.module, raising=False)
+    patches.install()
+    flashinfer._ensure_patched()
+    assert {"vllm.v1.worker.gpu_worker", "triton.runtime.cache", "flashinfer.jit.core"} <= set(hooked)
+    assert {name.split(".")[0] for name in hooked} <= _kwarm_door.TRIGGERS
 
 
 def test_pth_line_costs_under_a_millisecond(fresh_venv):
@@ -220,6 +318,7 @@ def test_spawn_child_inherits_activation():
     import json, multiprocessing as mp
 
     def child(q):
+        import triton  # the door opens at the first import of a package kwarm hooks
         from kwarm_ext import activation
         q.put({"active": activation.is_active(), "sources": activation.SOURCES})
 

@@ -67,5 +67,5 @@ def test_an_exception_and_a_timeout_end_as_in_a_fresh_interpreter(tmp_path):
 
 
 def test_a_door_run_never_forks():
-    """KWARM_ENABLE opens kwarm's .pth door at interpreter start: such runs are fresh interpreters."""
+    """KWARM_ENABLE arms kwarm's .pth door at interpreter start: such runs are fresh interpreters."""
     assert conftest._FORK_SERVERS.get(dict(cpu_triton_env(), KWARM_ENABLE="1")) is None

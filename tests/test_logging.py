@@ -18,7 +18,7 @@ LINE = re.compile(r"^(?P<prefix>.*?)(?P<level>DEBUG|INFO|WARNING|ERROR) \d\d-\d\
 
 # How kwarm's logging gets configured relative to vLLM's import:
 # "pth": KWARM_ENABLE=1, so the .pth door activates kwarm (and configures its logger) at
-#        interpreter start, before vLLM's import applies vLLM's configuration;
+#        vLLM's first import, before vLLM's own code applies vLLM's configuration;
 # "after": vLLM first, then kwarm (the plugin door's order).
 ORDERS = {"pth": "import vllm.logger",
           "after": "import vllm.logger\nfrom kwarm_ext import config\nconfig.get()"}
