@@ -221,7 +221,10 @@ def summarize_report(report: dict | None) -> dict | None:
     return {"total_s": total_seconds(report), "rank": report.get("rank"), "pid": report.get("pid"),
             "view": bool(report.get("view")), "families": families,
             "compiled": sum(f["compiled"] for f in families), "memory": memory or None,
-            "memory_bound": report.get("memory")}
+            "memory_bound": report.get("memory"),
+            "line": report.get("summary"),  # kwarm's short summary line (reports before it: None)
+            "left_to_requests": report.get("left_to_requests", [])
+            + (report.get("after_capture") or {}).get("left_to_requests", [])}
 
 
 AFTER_CAPTURE = " (after capture)"

@@ -288,7 +288,9 @@ def describe(details: dict) -> dict:
     if cache:
         parts.append(f"cuBLASLt heuristics cache {cache['before']} -> {cache['after']} entries"
                      if cache["after"] is not None else f"cuBLASLt heuristics cache: {cache['reason']}")
-    return {"summary": ", ".join(parts), **details}
+    left = [{"step": name, "count": details[name]["left"], "what": "GEMM problems", "why": "KWARM_BUDGET"}
+            for name in ("exact", "grid", "fill") if (details.get(name) or {}).get("left")]
+    return {"summary": ", ".join(parts), **details} | ({"left_to_requests": left} if left else {})
 
 
 def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict, tp_size=None):

@@ -8,8 +8,10 @@ Order: the engine view, then each selected family's steps (``replay`` first), th
 ``Worker.compile_or_warm_up_model`` has returned (CUDA-graph capture done),
 :func:`after_capture` runs the families that belong after it on the same view. Every
 step is isolated: an exception becomes one warning naming the step and the reason, and
-the next step runs (``KWARM_STRICT=1`` re-raises instead). It ends with one summary line
-per worker and, with ``KWARM_REPORT``, a JSON report.
+the next step runs (``KWARM_STRICT=1`` re-raises instead). It ends with one short summary line
+per worker (the families that ran, how many were skipped and failed, the compiles, the longest
+family, what was left to the requests), the per-family detail on DEBUG and, with
+``KWARM_REPORT``, a JSON report that has both (``summary``, ``detail``, ``left_to_requests``).
 """
 from __future__ import annotations
 
@@ -145,10 +147,19 @@ def _run(worker, settings, t0: float, report: dict) -> dict:
     report["ended_at"] = round(time.time(), 3)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
-    logger.info("kwarm: warmup done in %.2f s on rank %s (budget %s): %s%s",
-                report["total_s"], rank, report["budget"], _outcome(results), _learning_text(learning))
-    _memory_line(report, results, rank)
-    _write(report, settings, rank)
+    head = (f"kwarm: warmup done in {report['total_s']:.2f} s on rank {rank} "
+            f"(budget {_budget_seconds(report['budget'])}): {_short(results)}"
+            + (f"; learning into {learning.path}" if learning is not None else ""))
+    where = report_path(settings.report, rank) if settings.report else None
+    report["summary"] = head + (f"; report {where}" if where else "")
+    report["detail"] = f"budget {report['budget']}; {_outcome(results)}{_learning_text(learning)}"
+    report["left_to_requests"] = left_to_requests(results)
+    memory_text = _memory_summary(report, results)
+    written = _write(report, settings, rank)
+    logger.info("%s", report["summary"] if written else head)
+    logger.debug("kwarm: warmup detail on rank %s: %s", rank, report["detail"])
+    if memory_text:
+        logger.info("kwarm: GPU memory on rank %s: %s", rank, memory_text)
     _pending[id(worker)] = (view, report)
     return report
 
@@ -309,29 +320,86 @@ def after_capture(worker) -> dict | None:
         memory.end(release_blocks=False)  # the caching allocator's blocks stay for the first requests
     seconds = round(time.perf_counter() - t0, 4)
     rank = report.get("rank", 0) if report else 0
-    logger.info("kwarm: after CUDA-graph capture, %.2f s on rank %s: %s", seconds, rank, _outcome(results))
-    part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results], "memory": bound}
-    _memory_line(part, results, rank, "after CUDA-graph capture, ")
+    part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results], "memory": bound,
+            "summary": f"kwarm: after CUDA-graph capture, {seconds:.2f} s on rank {rank}: {_short(results)}",
+            "detail": _outcome(results), "left_to_requests": left_to_requests(results)}
+    memory_text = _memory_summary(part, results)
+    logger.info("%s", part["summary"])
+    logger.debug("kwarm: after CUDA-graph capture, detail on rank %s: %s", rank, part["detail"])
+    if memory_text:
+        logger.info("kwarm: after CUDA-graph capture, GPU memory on rank %s: %s", rank, memory_text)
     if report is not None:
         report["after_capture"] = part
         _write(report, settings, rank)
     return part
 
 
+def _budget_seconds(description: str) -> str:
+    """The budget's seconds (or ``unlimited``) of its description (``budget.begin``'s), for the
+    short line: the first words, before the parenthesis that says how they were found."""
+    return description.split(" (", 1)[0]
+
+
+def _short(results: list) -> str:
+    """The short line's text of `results`: the families that ran, how many were skipped and
+    failed, the compiles, the longest family and what was left to the requests (the detail:
+    :func:`_outcome`)."""
+    ran = [r for r in results if r.status == "ran"]
+    text = (f"ran {', '.join(r.name for r in ran) or '-'}; "
+            f"{sum(r.status == 'skipped' for r in results)} skipped; "
+            f"{sum(r.status == 'failed' for r in results)} failed; "
+            f"{sum(len(r.compiled) for r in results)} compiled")
+    if ran:
+        longest = max(ran, key=lambda r: r.seconds)
+        text += f"; largest {longest.name} {longest.seconds:.1f} s"
+    left: dict = {}
+    for item in left_to_requests(results):
+        if item["what"] not in FAMILIES_LEFT:  # counted above
+            left[item["what"]] = left.get(item["what"], 0) + item["count"]
+    if left:
+        text += f"; left to requests: {', '.join(f'{n} {what}' for what, n in left.items())}"
+    return text
+
+
+NO_VIEW = "no engine view"
+FAMILIES_LEFT = ("failed families", "skipped families")  # left_to_requests' whole families
+
+
+def left_to_requests(results: list) -> list:
+    """What the families of `results` did not warm, as kwarm knows it, so the requests may
+    compile it: a failed family or step, a family skipped for want of an engine view, and what a
+    family's details say it left (``details["left_to_requests"]``: ``eager_gemm``'s GEMM problems
+    past ``KWARM_BUDGET``, ``replay``'s skipped manifest entries). Each item:
+    ``{family, step (where one), count, what, why}``."""
+    left = []
+    for r in results:
+        if r.status == "failed" or (r.status == "skipped" and r.reason == NO_VIEW):
+            left.append({"family": r.name, "count": 1, "what": FAMILIES_LEFT[r.status == "skipped"], "why": r.reason})
+            continue
+        for step in r.steps:
+            if step["status"] == "failed":
+                left.append({"family": r.name, "step": step["name"], "count": 1, "what": "failed steps",
+                             "why": step["reason"]})
+        left += [{"family": r.name, **item} for item in r.details.get("left_to_requests") or []]
+    return left
+
+
 def _outcome(results: list) -> str:
-    """`ran A | B; skipped C (why); failed -`: the families of one summary line."""
+    """`ran A | B; skipped C (why); failed -`: the families of one detail line."""
     def short(status, sep):
         return sep.join(r.short() for r in results if r.status == status) or "-"
 
     return f"ran {short('ran', ' | ')}; skipped {short('skipped', ', ')}; failed {short('failed', ', ')}"
 
 
-def _write(report: dict, settings, rank: int) -> None:
+def _write(report: dict, settings, rank: int) -> str | None:
+    """Write `report` to KWARM_REPORT; the path written, None where none was (unset, or failed: one warning)."""
     if settings.report:
         try:
-            guarded("report", lambda: write_report(report, settings.report, rank))
+            return guarded("report", lambda: write_report(report, settings.report, rank))
         except StepFailed:
             pass
+    return None
 
 
 def _run_family(name: str, view, settings) -> FamilyResult:
@@ -340,7 +408,7 @@ def _run_family(name: str, view, settings) -> FamilyResult:
         result.reason = "disabled by KWARM_WARMUPS"
         return result
     if view is None:
-        result.reason = "no engine view"
+        result.reason = NO_VIEW
         return result
     forced = name in settings.warmups.forced
     t0 = time.perf_counter()
@@ -464,12 +532,13 @@ def _node_cache_counts() -> dict | None:
     return node_cache.counts_in_use()
 
 
-def _memory_line(report: dict, results: list, rank, when: str = "") -> None:
-    """One line: kwarm's memory bound and the step that took the most (the report has them all)."""
+def _memory_summary(report: dict, results: list) -> str | None:
+    """The memory line's text (also ``report["memory_summary"]``): kwarm's memory bound and the
+    step that took the most (the report has them all); None where neither is known."""
     bound = report.get("memory")
     top = memory.largest((f"{r.name}.{r.memory['step']}", r.memory) for r in results if r.memory)
     if not bound and top is None:
-        return
+        return None
     text = (f"bound {memory.gib(bound['headroom'])} above {memory.gib(bound['base_allocated'])} allocated "
             f"({bound['how']})" if bound else "unbounded")
     if top is not None:
@@ -482,15 +551,20 @@ def _memory_line(report: dict, results: list, rank, when: str = "") -> None:
     if oom:
         text += f"; out of memory within the bound, skipped: {', '.join(oom)}"
     report["memory_summary"] = text
-    logger.info("kwarm: %sGPU memory on rank %s: %s", when, rank, text)
+    return text
+
+
+def report_path(path: str, rank: int) -> str:
+    """Where rank `rank`'s report of KWARM_REPORT `path` goes: ``{rank}`` in `path` is the rank,
+    else ranks > 0 get ``.rank<N>``."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    return f"{path}.rank{rank}" if rank else path
 
 
 def write_report(report: dict, path: str, rank: int) -> str:
-    """Write atomically; ``{rank}`` in `path` is the rank, else ranks > 0 get ``.rank<N>``."""
-    if "{rank}" in path:
-        path = path.replace("{rank}", str(rank))
-    elif rank:
-        path = f"{path}.rank{rank}"
+    """Write atomically to :func:`report_path`; returns that path."""
+    path = report_path(path, rank)
     from kwarm_ext.manifest_files import check_writable_target, write_atomic
 
     check_writable_target(path)  # never replace a device, a FIFO, a link or another user's file

@@ -192,7 +192,13 @@ def test_summarize_report_counts_steps():
                                       "steps": 3, "steps_ran": 1, "steps_skipped": 1, "steps_failed": 1,
                                       "compiled": 2, "memory": {}}
     assert summary["memory"] is None and summary["memory_bound"] is None
+    assert summary["line"] is None and summary["left_to_requests"] == [], "a report from before the short line"
     assert table.summarize_report(None) is None
+    left = {"family": "eager_gemm", "step": "fill", "count": 340, "what": "GEMM problems", "why": "KWARM_BUDGET"}
+    short = table.summarize_report({"summary": "kwarm: warmup done in 2.50 s on rank 0 (budget 1.5 s): ran -",
+                                    "families": [], "left_to_requests": [left],
+                                    "after_capture": {"families": [], "left_to_requests": []}})
+    assert short["line"].startswith("kwarm: warmup done in 2.50 s") and short["left_to_requests"] == [left]
     measured = table.summarize_report({"memory_summary": "bound 4.00 GiB", "memory": {"headroom": 4 << 30},
                                        "families": [{"name": "sampler", "memory": {"step": "logprobs"}}],
                                        "after_capture": {"memory_summary": "after: bound 3.00 GiB", "families": []}})

@@ -101,7 +101,7 @@ def gpu_allocator(monkeypatch):
 
 def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
     report_path = tmp_path / "report.json"
-    kwarm_env(KWARM_WARMUPS="caching_allocator", KWARM_REPORT=str(report_path))
+    kwarm_env(KWARM_WARMUPS="caching_allocator", KWARM_REPORT=str(report_path), KWARM_LOG_LEVEL="DEBUG")
     worker = stand_in_worker(device="cuda:0")
     report = warmup.run(worker)
     assert "caching_allocator" not in [f["name"] for f in report["families"]], "not in kwarm's warmup"
@@ -115,8 +115,12 @@ def test_runs_after_capture_only(gpu_allocator, kwarm_env, kwarm_log, tmp_path):
     assert family["steps"][0]["variants"] == [text] and family["details"] == {"summary": text}
     written = json.loads(report_path.read_text())
     assert ca_family(written["after_capture"])["steps"][0]["status"] == "ran"
-    assert any(m.startswith("kwarm: after CUDA-graph capture, ") and "caching_allocator " in m and f" s: {text}" in m
-               for m in kwarm_log.messages(0)), kwarm_log.messages(0)
+    lines = [m for m in kwarm_log.messages(0) if m.startswith("kwarm: after CUDA-graph capture, ")]
+    assert lines[0] == part["summary"] == written["after_capture"]["summary"], lines
+    assert ": ran caching_allocator; " in lines[0] and "; 0 failed; 0 compiled; largest caching_allocator " in lines[0]
+    assert lines[1] == f"kwarm: after CUDA-graph capture, detail on rank 0: {part['detail']}"
+    assert "caching_allocator " in part["detail"] and f" s: {text}" in part["detail"]
+    assert part["left_to_requests"] == []
     assert kwarm_log.messages() == [], "no warning"
 
     assert ca_family(warmup.after_capture(worker))["reason"] == "no engine view", \

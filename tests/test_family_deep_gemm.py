@@ -392,7 +392,7 @@ print("RESULT " + json.dumps({"cache": cache, "seen_by_import": imported, "gemm"
 
 
 def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_env, kwarm_log, tmp_path):
-    kwarm_env(KWARM_WARMUPS="deep_gemm,runner")
+    kwarm_env(KWARM_WARMUPS="deep_gemm,runner", KWARM_LOG_LEVEL="DEBUG")  # the detail line is DEBUG's
     worker = stand_in_worker()
     results = warmup.ahead(worker)
     assert [(r.name, r.status, r.reason) for r in results] == [
@@ -401,7 +401,9 @@ def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_en
     names = [f["name"] for f in report["families"]]
     assert names[0] == "deep_gemm" and names.count("deep_gemm") == 1, "run() does not plan it again"
     done = [r.getMessage() for r in kwarm_log.records if "warmup done" in r.getMessage()]
-    assert len(done) == 1 and "deep_gemm (runner device cpu is not CUDA)" in done[0]
+    assert len(done) == 1 and "): ran runner; " in done[0]
+    detail = [r.getMessage() for r in kwarm_log.records if "warmup detail" in r.getMessage()]
+    assert len(detail) == 1 and "deep_gemm (runner device cpu is not CUDA)" in detail[0]
     # without an ahead phase for this worker, run() neither plans nor lists it
     assert "deep_gemm" not in [f["name"] for f in warmup.run(stand_in_worker())["families"]]
 

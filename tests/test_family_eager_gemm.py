@@ -299,6 +299,9 @@ def test_a_spent_budget_leaves_only_the_fill_to_the_requests(release):
     # spent before the pass: nothing captured (on CUDA an empty graph would make torch warn)
     assert steps["fill"]["variants"][-1] == f"0 GEMM problems warmed, {left} left to the requests (KWARM_BUDGET)"
     assert f"fill 0 problems ({left} left to the requests: KWARM_BUDGET)" in summary
+    # what the summary line counts as left to the requests, and the report lists
+    assert result["family"]["details"]["left_to_requests"] == [
+        {"step": "fill", "count": left, "what": "GEMM problems", "why": "KWARM_BUDGET"}]
 
 
 def test_the_router_gate_runs_its_own_forward_on_the_hidden_states_dtype(release):

@@ -8,6 +8,7 @@ attributes the engine view reads; the hook itself is the real wrapper around the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import types
@@ -71,7 +72,7 @@ def test_family(monkeypatch):
 
 def test_clean_run_reports_steps(hooked, test_family, kwarm_log, tmp_path):
     report = tmp_path / "r.json"
-    hooked(KWARM_REPORT=str(report))
+    hooked(KWARM_REPORT=str(report), KWARM_LOG_LEVEL="DEBUG")  # the detail line is DEBUG's
     assert gpu_worker.kernel_warmup(stand_in_worker()) == "vllm-result"
     assert kwarm_log.messages() == []
     data = json.loads(report.read_text())
@@ -80,7 +81,10 @@ def test_clean_run_reports_steps(hooked, test_family, kwarm_log, tmp_path):
     assert data["view"]["model_type"] == "qwen3_next"
     assert data["view"]["backends"] == [["GDN_ATTN"], ["TRITON_ATTN"]]
     summary = [m for m in kwarm_log.messages(0) if "warmup done" in m]
-    assert len(summary) == 1 and "testfam" in summary[0] and "2 kernels" in summary[0]
+    assert len(summary) == 1 and "ran testfam;" in summary[0] and summary[0] == data["summary"]
+    detail = details_of(kwarm_log)
+    assert len(detail) == 1 and "testfam" in detail[0] and "2 kernels" in detail[0]
+    assert detail[0] == f"kwarm: warmup detail on rank 0: {data['detail']}" and data["left_to_requests"] == []
 
 
 def test_a_summary_steps_labels_are_the_familys_summary_text(hooked, test_family, kwarm_log):
@@ -88,11 +92,105 @@ def test_a_summary_steps_labels_are_the_familys_summary_text(hooked, test_family
         families.Step("ok", "k_ok", run=lambda: ["v1"]),
         families.Step("s", "k_s", run=lambda: ["89 kernels new", "on 15 processes"], summary=True),
         families.Step("s2", "k_s2", run=lambda: ["never shown"], summary=True, skip="not here")]
-    hooked()
+    hooked(KWARM_LOG_LEVEL="DEBUG")
     gpu_worker.kernel_warmup(stand_in_worker())
-    summary = [m for m in kwarm_log.messages(0) if "warmup done" in m]
+    summary = details_of(kwarm_log)
     assert len(summary) == 1 and "testfam " in summary[0]
     assert summary[0].split("testfam ", 1)[1].split(": ", 1)[1].startswith("89 kernels new; on 15 processes;")
+
+
+def details_of(kwarm_log) -> list:
+    """The per-family detail lines (DEBUG) of the records."""
+    return [r.getMessage() for r in kwarm_log.records
+            if r.getMessage().startswith("kwarm: warmup detail on rank ") and r.levelno == logging.DEBUG]
+
+
+def test_the_summary_line_is_short_and_counts_what_ran(hooked, kwarm_log, tmp_path, monkeypatch):
+    """One short INFO line: the families that ran, the skipped and failed counts, the compiles, the
+    longest family, what was left to the requests and the report; the per-family detail on DEBUG;
+    the report has the line, the detail and what was left, item by item."""
+    import time
+
+    from kwarm_ext import monitor, surfaces
+
+    built = []  # the compile callbacks of the surface watched now (the monitor's, in a step)
+
+    class Surface:
+        label = "stand-in surface"
+
+        def watch(self, on_built):
+            built.append(on_built)
+            return lambda: built.remove(on_built)
+
+    def compiles(n):
+        for i in range(n):
+            built[-1](monitor.Compiled("m", f"m.kernel_{i}", f"key{i}"))
+        return [f"{n} compiled"]
+
+    monkeypatch.setattr(surfaces, "every", lambda: [Surface()])
+    plans = {
+        "slow": lambda view, forced: [families.Step("a", "k_a", run=lambda: compiles(2)),
+                                      families.Step("b", "k_b", run=lambda: time.sleep(0.2) or ["b"])],
+        "fast": lambda view, forced: [families.Step("c", "k_c", run=lambda: compiles(1)),
+                                      families.Step("d", "k_d", run=lambda: 1 / 0),
+                                      families.Step("e", "k_e", skip="upstream runs it")],
+        "gemms": lambda view, forced: families.Plan(
+            [families.Step("fill", "k_f", run=lambda: ["f"])],
+            lambda: {"summary": "fill 3 problems (340 left to the requests: KWARM_BUDGET)", "left_to_requests": [
+                {"step": "fill", "count": 340, "what": "GEMM problems", "why": "KWARM_BUDGET"}]}),
+        "elsewhere": None, "broken": lambda view, forced: {}["no plan"], "off": None}
+    registry = {}
+    for name, plan in plans.items():
+        module = types.ModuleType(f"kwarm_test_{name}")
+        module.applies = (lambda view: "not this model") if name == "elsewhere" else (lambda view: None)
+        module.plan = plan
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        registry[name] = families.Family(name, module.__name__, name)
+    monkeypatch.setattr(warmup, "FAMILIES", registry)
+    monkeypatch.setattr(families, "FAMILIES", registry)
+    report = tmp_path / "r.json"
+    hooked(KWARM_REPORT=str(report), KWARM_WARMUPS="-off", KWARM_BUDGET="600", KWARM_LOG_LEVEL="DEBUG")
+    assert gpu_worker.kernel_warmup(stand_in_worker()) == "vllm-result"
+
+    data = json.loads(report.read_text())
+    done = [r for r in kwarm_log.records if "warmup done" in r.getMessage()]
+    assert len(done) == 1 and done[0].levelno == logging.INFO
+    line = done[0].getMessage()
+    slow = next(f for f in data["families"] if f["name"] == "slow")
+    assert line == (f"kwarm: warmup done in {data['total_s']:.2f} s on rank 0 (budget 600 s): ran slow, fast, gemms; "
+                    f"2 skipped; 1 failed; 3 compiled; largest slow {slow['seconds']:.1f} s; left to requests: "
+                    f"1 failed steps, 340 GEMM problems; report {report}"), line
+    assert len(line) - len(str(report)) < 200
+    assert data["summary"] == line
+    assert data["left_to_requests"] == [
+        {"family": "fast", "step": "d", "count": 1, "what": "failed steps",
+         "why": "ZeroDivisionError: division by zero"},
+        {"family": "gemms", "step": "fill", "count": 340, "what": "GEMM problems", "why": "KWARM_BUDGET"},
+        {"family": "broken", "count": 1, "what": "failed families", "why": "KeyError: 'no plan'"}]
+    # the detail: every family's own text, as the one long line had it
+    detail = details_of(kwarm_log)
+    assert detail == [f"kwarm: warmup detail on rank 0: {data['detail']}"]
+    for text in ("budget 600 s; ran slow ", "2 kernels, 2 variants, 2 compiled", "1 steps skipped (upstream runs it); "
+                 "1 steps failed", "gemms ", "fill 3 problems (340 left to the requests: KWARM_BUDGET)",
+                 "skipped elsewhere (not this model), off (disabled by KWARM_WARMUPS); failed broken (KeyError"):
+        assert text in data["detail"], (text, data["detail"])
+    assert kwarm_log.messages() == ["kwarm: warmup step fast.d failed, skipped: ZeroDivisionError: division by zero",
+                                    "kwarm: warmup family broken (plan) failed, skipped: KeyError: 'no plan'"]
+
+
+def test_no_report_no_path_and_no_view_is_left_to_the_requests(hooked, test_family, kwarm_log, monkeypatch):
+    """Without KWARM_REPORT the line names no report; a warmup without an engine view leaves its
+    families to the requests."""
+    from kwarm_ext import engine
+
+    monkeypatch.setattr(engine, "build", lambda worker: 1 / 0)
+    hooked()
+    report = warmup.run(stand_in_worker())
+    line = [m for m in kwarm_log.messages(0) if "warmup done" in m]
+    assert line == [report["summary"]] and "report" not in line[0].split("): ", 1)[1]
+    assert line[0].endswith("): ran -; 1 skipped; 0 failed; 0 compiled")
+    assert report["left_to_requests"] == [{"family": "testfam", "count": 1, "what": "skipped families",
+                                           "why": "no engine view"}]
 
 
 def test_raising_step_is_isolated(hooked, test_family, kwarm_log, tmp_path):

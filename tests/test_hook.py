@@ -194,13 +194,13 @@ def test_after_capture_failure_is_one_warning_and_vllms_error_is_vllms(monkeypat
 def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch, kwarm_env, kwarm_log):
     """deep_gemm (an ``ahead`` family) runs before ``Worker.determine_available_memory`` (vLLM's
     profile run compiles DeepGEMM kernels one by one); kernel_warmup's wrapper then finds it done,
-    and the worker's summary line lists it once."""
+    and the worker's detail line lists it once."""
     import types
 
     from kwarm_ext import patches, warmup
     from test_faults import stand_in_worker
 
-    kwarm_env(KWARM_WARMUPS="deep_gemm,runner")
+    kwarm_env(KWARM_WARMUPS="deep_gemm,runner", KWARM_LOG_LEVEL="DEBUG")  # the detail line is DEBUG's
     planned, calls = [], []
     real_ahead = warmup.ahead
     monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: planned.append([r.name for r in real_ahead(worker)]) or [])
@@ -217,7 +217,9 @@ def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch
     assert planned == [["deep_gemm"], []], "kernel_warmup's wrapper does not plan it again"
     assert calls[-1] == "vllm kernel_warmup"
     done = [r.getMessage() for r in kwarm_log.records if "warmup done" in r.getMessage()]
-    assert len(done) == 1 and done[0].count("deep_gemm") == 1 and "runner device cpu is not CUDA" in done[0]
+    assert len(done) == 1 and "): ran runner; " in done[0]
+    detail = [r.getMessage() for r in kwarm_log.records if "warmup detail" in r.getMessage()]
+    assert len(detail) == 1 and detail[0].count("deep_gemm") == 1 and "runner device cpu is not CUDA" in detail[0]
 
 
 def test_compiles_left_beside_the_profile_run_are_waited_for_as_it_returns(monkeypatch, kwarm_env, kwarm_log):

@@ -324,7 +324,7 @@ def test_engine_starts_with_a_bad_manifest(tmp_path, kwarm_env, kwarm_log, fake_
 
     path = tmp_path / "m.json"
     path.write_text('{"format": "kwarm-manifest", "versi')
-    kwarm_env(KWARM_MANIFEST=str(path), KWARM_WARMUPS="replay")
+    kwarm_env(KWARM_MANIFEST=str(path), KWARM_WARMUPS="replay", KWARM_LOG_LEVEL="DEBUG")  # the detail is DEBUG's
     ns = types.SimpleNamespace
     worker = ns(model_runner=ns(attn_groups=[], device="cpu", max_num_reqs=4, is_pooling_model=False,
                                 compilation_config=ns(static_forward_context={}, cudagraph_mode=None)),
@@ -339,7 +339,11 @@ def test_engine_starts_with_a_bad_manifest(tmp_path, kwarm_env, kwarm_log, fake_
     assert "not valid JSON" in fam["details"]["refused"]
     assert warnings_of(kwarm_log) == [f"kwarm: replay did not use the manifest {path}: {fam['details']['refused']}"]
     summary = [m for m in kwarm_log.messages(0) if "warmup done" in m]
-    assert len(summary) == 1 and "replay" in summary[0] and "manifest not used (not valid JSON" in summary[0]
+    assert len(summary) == 1 and "ran replay;" in summary[0] and summary[0].endswith("left to requests: 1 manifests not used")
+    assert report["left_to_requests"] == [{"family": "replay", "count": 1, "what": "manifests not used",
+                                           "why": fam["details"]["refused"]}]
+    detail = [m for m in kwarm_log.messages(0) if m.startswith("kwarm: warmup detail on rank 0: ")]
+    assert len(detail) == 1 and "replay" in detail[0] and "manifest not used (not valid JSON" in detail[0]
 
 
 # ---------------------------------------------------------------------------- writing

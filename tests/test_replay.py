@@ -119,14 +119,14 @@ def test_learning_run_records_and_saves_at_exit(learned):
     assert data["stamp"]["triton"] and data["stamp"]["arch"] == "cuda:90" and data["stamp"]["tp_size"] == 1
     assert data["stamp"]["model"] == "tiny/test-model" and data["stamp"]["vllm"] == "0.24.0"
     assert len(data["entries"]) == 11 and len(data["autotune"]) == 2
-    assert "learning: 0 newly learned so far" in stdout
+    assert f"; learning into {manifest_path}" in [line for line in stdout.splitlines() if "warmup done" in line][0]
     assert "kwarm: learned 13 new (13 in the manifest, exit save)" in stdout
     assert oct(manifest_path.stat().st_mode & 0o777) == oct(0o644)
 
 
 def test_replay_in_a_fresh_process_leaves_nothing_to_compile(learned, tmp_path):
     _, _, _, tmp = learned
-    proc = run_py(REPLAY, env=env_for(tmp))
+    proc = run_py(REPLAY, env=env_for(tmp, KWARM_LOG_LEVEL="DEBUG"))  # the detail line is DEBUG's
     out = last_json(proc)
     fam = out["replay"]
     assert fam["status"] == "ran"
@@ -152,9 +152,13 @@ def test_replay_in_a_fresh_process_leaves_nothing_to_compile(learned, tmp_path):
     assert details["key_cache_seeded"] == 9
     assert out["key_cache_added"] == {"copy": 0, "heuristic": 0, "tuned": 0, "apply": 1, "cast": 0}
     summary = [line for line in proc.stdout.splitlines() if "warmup done" in line]
-    assert len(summary) == 1
-    assert "replay" in summary[0] and "10 replayed, 1 unchosen autotune configs left out, 2 autotune choices seeded" \
-        in summary[0]
+    assert len(summary) == 1 and "): ran replay; " in summary[0]
+    assert f"; 0 failed; {len(fam['compiled'])} compiled; largest replay " in summary[0]
+    assert details["left_to_requests"] == [] and "left to requests" not in summary[0]
+    detail = [line for line in proc.stdout.splitlines() if "kwarm: warmup detail on rank 0: " in line]
+    assert len(detail) == 1
+    assert "replay" in detail[0] and "10 replayed, 1 unchosen autotune configs left out, 2 autotune choices seeded" \
+        in detail[0]
 
 
 def test_replay_loads_and_launches_where_a_gpu_exists(learned):
@@ -188,10 +192,10 @@ os._exit(0)  # no atexit: only the periodic save can have written it
 def test_learn_all_records_during_warmup_but_not_replays_own_compiles(learned):
     _, _, manifest_path, tmp = learned
     before = manifest_path.read_text()
-    proc = run_py(REPLAY, env=env_for(tmp, KWARM_LEARN="all"))
+    proc = run_py(REPLAY, env=env_for(tmp, KWARM_LEARN="all", KWARM_LOG_LEVEL="DEBUG"))
     out = last_json(proc)
     assert out["replay"]["details"]["replayed"] == 10 and out["compiled_after"] == []
-    assert "learning: 0 newly learned so far" in proc.stdout  # replay's compiles are not "learned"
+    assert "learning: 0 newly learned so far" in proc.stdout  # the detail line's  # replay's compiles are not "learned"
     assert manifest_path.read_text() == before  # nothing new: not rewritten
 
 

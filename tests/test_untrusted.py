@@ -667,6 +667,7 @@ def test_59_4_the_whole_replay_is_bounded_and_what_is_left_is_one_line(tmp_path,
     assert kwarm_log.messages() == ["kwarm: replay reached its total bound of 0.5 s (KWARM_REPLAY_LIMIT): "
                                     "40 Triton entries left to the requests"]
     assert "40 skipped (out of time: 40)" in state.summary() and state.details()["out_of_time"] == 40
+    assert state.details()["left_to_requests"] == [{"count": 40, "what": "manifest entries", "why": "out of time"}]
     release.set()
     assert config.parse({"KWARM_REPLAY_LIMIT": "5"}, known_families=()).replay_limit == 5.0
     assert config.parse({}, known_families=()).replay_limit == config.DEFAULT_REPLAY_LIMIT == 600.0

@@ -116,12 +116,16 @@ class ReplayState:
                   f"{self.seeded} autotune choices seeded" if self.seeded else ""]
         text += "".join(f", {e}" for e in extras if e)
         if self.skipped:
-            kinds: dict = {"malformed": self.more_malformed} if self.more_malformed else {}
-            for s in self.skipped:
-                kinds[s.kind] = kinds.get(s.kind, 0) + 1
             text += (f", {len(self.skipped) + self.more_malformed} skipped "
-                     f"({'; '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))})")
+                     f"({'; '.join(f'{k}: {n}' for k, n in self.skip_kinds().items())})")
         return text
+
+    def skip_kinds(self) -> dict:
+        """{kind: how many} of the skipped entries and items, by kind."""
+        kinds: dict = {"malformed": self.more_malformed} if self.more_malformed else {}
+        for s in self.skipped:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        return dict(sorted(kinds.items()))
 
     def details(self) -> dict:
         return {"summary": self.summary(), "manifest": self.path, "refused": self.refused,
@@ -131,7 +135,15 @@ class ReplayState:
                 "binder": self.binder, "threads": self.threads, "limit_s": self.limit_s,
                 "out_of_time": self.out_of_time,
                 "surfaces": {name: done for name, done in self.surfaces_replayed.items()},
-                "skipped": [dataclasses.asdict(s) for s in self.skipped]}
+                "skipped": [dataclasses.asdict(s) for s in self.skipped],
+                "left_to_requests": self.left_to_requests()}
+
+    def left_to_requests(self) -> list:
+        """What this replay did not compile, for the summary line and the report: the whole
+        manifest where it was refused, else the skipped entries by kind."""
+        if self.refused:
+            return [{"count": 1, "what": "manifests not used", "why": self.refused}]
+        return [{"count": n, "what": "manifest entries", "why": kind} for kind, n in self.skip_kinds().items()]
 
 
 # ---------------------------------------------------------------------------- the family contract
