@@ -21,7 +21,8 @@ What (:func:`predict`), from vLLM's own selection logic, per release:
 
 A wrong guess costs only background CPU.
 
-How: one process (``python -m kwarm_ext.early_builds``), started in its own session at low
+How: one process (``python -m kwarm_ext.early_builds``), which also makes the prediction (its
+imports would hold the API server back), started in its own session at low
 priority (nice 10), with ``CUDA_VISIBLE_DEVICES`` empty so that it never creates a CUDA context
 (its memory would count in vLLM's memory profiling) and ``FLASHINFER_CUDA_ARCH_LIST`` set to the
 visible GPUs' capabilities, read through NVML (vLLM's platform, no CUDA context either): FlashInfer
@@ -63,23 +64,34 @@ class Build:
 
 SAMPLING = Build("sampling", "flashinfer.jit.sampling:gen_sampling_module",
                  "vLLM's FlashInfer top-k/top-p sampler (its start-up sampler check builds it)")
+PREDICT_FLAG = "--predict"
 CONCAT_MLA = Build("concat_mla", "flashinfer.jit.dsv3_optimizations:gen_concat_mla_module",
                    "MLA prefill's concat_mla_k (128 heads per rank, 128/64 nope/rope)")
 
 
-def predict(vllm_config, capabilities: list) -> tuple[list, list]:
-    """(builds, [why each other was not predicted]) for `vllm_config` on GPUs of `capabilities`
-    ([(major, minor), ...], every visible GPU)."""
-    builds, not_predicted = [], []
+def config_facts(vllm_config) -> dict:
+    """What :func:`predict` reads of a ``VllmConfig``, as JSON for the background process."""
     model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+    tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    return {"runner_type": getattr(model, "runner_type", "generate"), "use_mla": bool(getattr(model, "use_mla", False)),
+            "heads_per_rank": (getattr(hf, "num_attention_heads", 0) or 0) // tp,
+            "nope_rope": [getattr(hf, "qk_nope_head_dim", None), getattr(hf, "qk_rope_head_dim", None)]}
+
+
+def predict(vllm_config, capabilities: list) -> tuple[list, list]:
+    """(builds, [why each other was not predicted]) for `vllm_config` (or its
+    :func:`config_facts`) on GPUs of `capabilities` ([(major, minor), ...], every visible GPU)."""
+    facts = vllm_config if isinstance(vllm_config, dict) else config_facts(vllm_config)
+    builds, not_predicted = [], []
     if not capabilities:
         return [], ["no NVIDIA GPU visible"]
-    reason = _sampler_reason(model, capabilities)
+    reason = _sampler_reason(facts, capabilities)
     if reason is None:
         builds.append(SAMPLING)
     else:
         not_predicted.append(f"sampling: {reason}")
-    reason = _concat_reason(vllm_config)
+    reason = _concat_reason(facts)
     if reason is None:
         builds.append(CONCAT_MLA)
     else:
@@ -87,8 +99,8 @@ def predict(vllm_config, capabilities: list) -> tuple[list, list]:
     return builds, not_predicted
 
 
-def _sampler_reason(model, capabilities) -> str | None:
-    if getattr(model, "runner_type", "generate") != "generate":
+def _sampler_reason(facts, capabilities) -> str | None:
+    if facts["runner_type"] != "generate":
         return "the model does not generate (no sampler)"
     try:
         import vllm.envs as envs
@@ -119,14 +131,10 @@ def _sampler_reason(model, capabilities) -> str | None:
     return None
 
 
-def _concat_reason(vllm_config) -> str | None:
-    model = getattr(vllm_config, "model_config", None)
-    if not getattr(model, "use_mla", False):
+def _concat_reason(facts) -> str | None:
+    if not facts["use_mla"]:
         return "no MLA attention"
-    hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
-    tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
-    heads = (getattr(hf, "num_attention_heads", 0) or 0) // tp
-    dims = (getattr(hf, "qk_nope_head_dim", None), getattr(hf, "qk_rope_head_dim", None))
+    heads, dims = facts["heads_per_rank"], tuple(facts["nope_rope"])
     if heads != 128 or dims != (128, 64):
         return f"{heads} heads per rank, nope/rope {dims[0]}/{dims[1]} (vLLM calls it at 128, 128/64)"
     return None
@@ -157,26 +165,31 @@ def arch_list(capabilities) -> str:
 
 
 def start(vllm_config) -> subprocess.Popen | None:
-    """Predict and start the builds in one background process (once per process tree); None where
-    nothing is predicted or they started already. Logs one line either way."""
+    """Start the background process that predicts the builds and runs them (once per process
+    tree); None where no GPU is visible, FlashInfer is not installed or they started already.
+
+    The prediction runs there, not here: it imports vLLM's sampler, its FlashInfer attention
+    backend and FlashInfer itself (about 5 s on an H100 host, measured: the API server would start
+    the engine's process that much later, cold or warm)."""
     if os.environ.get(STARTED_ENV):
         return None
     if importlib.util.find_spec("flashinfer") is None:
         return None
     capabilities = visible_capabilities()
-    builds, not_predicted = predict(vllm_config, capabilities)
     os.environ[STARTED_ENV] = "1"  # the engine's processes inherit it
-    if not builds:
-        logger.debug("kwarm: no FlashInfer build to start early: %s", "; ".join(not_predicted))
+    if not capabilities:
+        logger.debug("kwarm: no FlashInfer build to start early: no NVIDIA GPU visible")
         return None
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    # no CUDA device; kwarm off there: its imports of vLLM must not activate kwarm (deep_gemm's
+    # compile processes would start a second time)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", KWARM_ENABLE="0")
     env.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
-    proc = subprocess.Popen([sys.executable, "-m", "kwarm_ext.early_builds",
-                             json.dumps([dataclasses.asdict(b) for b in builds])],
+    payload = {"facts": config_facts(vllm_config), "capabilities": [list(c) for c in capabilities]}
+    proc = subprocess.Popen([sys.executable, "-m", "kwarm_ext.early_builds", PREDICT_FLAG, json.dumps(payload)],
                             env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=lambda: os.nice(10))
-    logger.info("kwarm: building FlashInfer's %s in the background from launch (pid %d, archs %s)",
-                ", ".join(b.name for b in builds), proc.pid, env["FLASHINFER_CUDA_ARCH_LIST"])
+    logger.info("kwarm: starting the FlashInfer builds this configuration implies in the background from "
+                "launch (pid %d, archs %s)", proc.pid, env["FLASHINFER_CUDA_ARCH_LIST"])
     return proc
 
 
@@ -192,10 +205,20 @@ def build(spec: str) -> str:
 
 
 def main(argv=None) -> int:
-    """The background process: build each module of the JSON list in argv[0]; one line each."""
+    """The background process: ``--predict FACTS`` (:func:`start`'s payload) predicts the builds,
+    says which, and builds them; a JSON list of builds builds those. One line each."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == PREDICT_FLAG:
+        payload = json.loads(argv[1])
+        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]])
+        note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
+        print(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}",
+              file=sys.stderr, flush=True)
+        items = [dataclasses.asdict(b) for b in builds]
+    else:
+        items = json.loads(argv[0])
     failed = 0
-    for item in json.loads(argv[0]):
+    for item in items:
         try:
             line = build(item["spec"])
         except Exception as exc:  # noqa: BLE001  (one module's failure: vLLM builds it itself later)

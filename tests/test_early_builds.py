@@ -108,7 +108,6 @@ def test_start_runs_one_background_process_without_a_cuda_device_once_per_proces
     monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(early_builds.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [(9, 0)])
-    monkeypatch.setattr(early_builds, "predict", lambda config, caps: ([early_builds.SAMPLING], []))
     started = []
 
     class Popen:
@@ -117,10 +116,17 @@ def test_start_runs_one_background_process_without_a_cuda_device_once_per_proces
             self.pid = 4242
 
     monkeypatch.setattr(early_builds.subprocess, "Popen", Popen)
-    assert early_builds.start(types.SimpleNamespace()).pid == 4242
+    monkeypatch.setattr(early_builds, "predict", lambda *a: pytest.fail("predicted in the API server: its imports hold it back"))
+    hf = types.SimpleNamespace(num_attention_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64)
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=True, hf_text_config=hf, runner_type="generate"),
+                                   parallel_config=types.SimpleNamespace(tensor_parallel_size=2))
+    assert early_builds.start(config).pid == 4242
     (argv, env, kwargs), = started
-    assert argv[1:3] == ["-m", "kwarm_ext.early_builds"] and json.loads(argv[3])[0]["name"] == "sampling"
+    assert argv[1:4] == ["-m", "kwarm_ext.early_builds", "--predict"]
+    assert json.loads(argv[4]) == {"facts": {"runner_type": "generate", "use_mla": True, "heads_per_rank": 64,
+                                             "nope_rope": [128, 64]}, "capabilities": [[9, 0]]}
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["FLASHINFER_CUDA_ARCH_LIST"] == "9.0"
+    assert env["KWARM_ENABLE"] == "0", "the background process must not activate kwarm (deep_gemm's processes)"
     assert kwargs["start_new_session"] is True
     assert early_builds.start(types.SimpleNamespace()) is None and len(started) == 1, "once: the marker is inherited"
 
@@ -145,3 +151,22 @@ def test_the_background_process_builds_under_the_specs_lock_and_says_each_outcom
     assert err[0].startswith("kwarm: early FlashInfer build: sampling ready in")
     assert err[1] == ("kwarm: early FlashInfer build: other failed, vLLM builds it when it needs it: "
                       "RuntimeError: nvcc not found")
+
+
+def test_the_background_process_predicts_from_the_launch_facts_says_what_and_builds_it(monkeypatch, capsys):
+    """`start` hands the process the configuration's facts; it predicts there (vLLM's and FlashInfer's
+    imports off the API server's path), names the builds and what was not predicted, then builds."""
+    built = []
+    monkeypatch.setattr(early_builds, "build", lambda spec: built.append(spec) or f"{spec} ready in 0.0 s")
+    monkeypatch.setattr(early_builds, "_sampler_reason", lambda facts, caps: None)
+    facts = {"runner_type": "generate", "use_mla": True, "heads_per_rank": 64, "nope_rope": [128, 64]}
+    payload = json.dumps({"facts": facts, "capabilities": [[9, 0]]})
+    assert early_builds.main(["--predict", payload]) == 0
+    assert built == [early_builds.SAMPLING.spec]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("kwarm: early FlashInfer builds: sampling (not: concat_mla: 64 heads per rank, nope/rope "
+                      "128/64 (vLLM calls it at 128, 128/64))")
+    assert err[1].startswith("kwarm: early FlashInfer build: flashinfer.jit.sampling:gen_sampling_module ready")
+    facts["heads_per_rank"] = 128
+    assert early_builds.main(["--predict", json.dumps({"facts": facts, "capabilities": [[9, 0]]})]) == 0
+    assert built[1:] == [early_builds.SAMPLING.spec, early_builds.CONCAT_MLA.spec]
