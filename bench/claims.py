@@ -21,15 +21,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PUB = ROOT / "bench" / "published"
 SERVE = PUB / "vllm0.33.0-flashinfer-h100" / "serve"
+SERVE_092 = PUB / "vllm0.33.0-flashinfer-h100" / "serve-0.92"
 QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
+BIG, BIG_DSV = "qwen3-next-80b-a3b-4l", "deepseek-v32-2l"
 
 # Numbers in the checked paragraphs that are settings of the benchmark, not results.
 SETTINGS = {
     # the burst's 16 concurrent streams (serve_bench.BURST); the sweep's 8192 token counts
     # (max_num_batched_tokens)
-    "README.md": {"16", "8192"},
-    # 16 streams; the +10% start-cost goal; the 1.1x bar; HTTP 500, token 0
-    "BENCHMARKS.md": {"16", "10", "1.1", "500", "0"},
+    "README.md": {"16", "8192", "0.92"},
+    # 16 streams; the 1.1x and 10 ms bars; HTTP 500, token 0; vLLM's default memory utilization;
+    # issue 60's goals (ready in 80% of vLLM alone's time, a warm restart within +2%)
+    "BENCHMARKS.md": {"16", "10", "1.1", "500", "0", "0.92", "80", "2"},
 }
 
 # (document, first line of the paragraph or block, the line that ends it (exclusive) or "" for a blank line)
@@ -95,15 +98,41 @@ def engine(folder: str, name: str) -> dict:
     return load(PUB / folder / f"{name}.json")
 
 
+def phase_server(model: str, phase: int, name: str) -> dict:
+    return serve(model)["phases"][phase]["servers"][name]
+
+
+def default_memory(model: str) -> dict:
+    """The run at vLLM's default --gpu-memory-utilization (0.92), published dimensions."""
+    return load(SERVE_092 / f"{model}.serve.json")
+
+
+def over_bar(model: str, phase: int) -> list[tuple[str, float, float]]:
+    """kwarm's request kinds whose first is over 1.1x its repeat and more than 10 ms over it."""
+    out = []
+    for r in phase_server(model, phase, "kwarm")["requests"]:
+        if r["occurrence"] != "first":
+            continue
+        first, repeat = req_s(model, "kwarm", r["kind"]), None
+        for q in phase_server(model, phase, "kwarm")["requests"]:
+            if q["kind"] == r["kind"] and q["occurrence"] == "repeat" and not q.get("error"):
+                repeat = q["ttft_s"] if q.get("ttft_s") is not None else q["s"]
+        if phase == 0 and first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
+            out.append((r["kind"], first, repeat))
+    return out
+
+
 def serving_claims(headline: bool = True) -> list[str]:
     """Phrases about the serving benchmark: README's headline (`headline`), else BENCHMARKS.md's."""
     ready = {(m, n): server(m, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
     warm = {m: server(m, "kwarm")["kwarm_warmup_s"][0] for m in (QWEN, DSV)}
+    restart = {(m, n): phase_server(m, 1, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
     kinds = len(serve(QWEN)["request_kinds"])
     assert kinds == len(serve(DSV)["request_kinds"])
     f = lambda m, n, k, o="first": req_s(m, n, k, o)  # noqa: E731
     seed_plain = [f(m, "plain", "chat-seed") for m in (QWEN, DSV)]
     seed_kwarm = [f(m, "kwarm", "chat-seed") for m in (QWEN, DSV)]
+    big = default_memory(BIG)["phases"][0]["servers"]
     first = [
         f"{kinds} kinds of OpenAI requests",
         "plain `vllm serve` still compiles "
@@ -112,18 +141,24 @@ def serving_claims(headline: bool = True) -> list[str]:
         f"The first seeded sampled request: {span(seed_plain, s1)} s → {span(seed_kwarm, ms)} ms",
     ] if headline else []
     return first + [
-        f"Qwen3-Next's first tool call and long prompt: {ms(f(QWEN, 'plain', 'tool-call'))} and "
-        f"{ms(f(QWEN, 'plain', 'long-prompt'))} ms → {ms(f(QWEN, 'kwarm', 'tool-call'))} and "
-        f"{ms(f(QWEN, 'kwarm', 'long-prompt'))} ms",
-        f"the first burst of 16 streams (p99 TTFT): {ms(f(QWEN, 'plain', 'burst'))} ms (Qwen3-Next) and "
-        f"{ms(f(DSV, 'plain', 'burst'))} ms (DeepSeek-V3.2) → {ms(f(QWEN, 'kwarm', 'burst'))} and "
-        f"{ms(f(DSV, 'kwarm', 'burst'))} ms",
+        f"Qwen3-Next's first tool call, long prompt and burst of 16 streams (p99 TTFT): "
+        f"{ms(f(QWEN, 'plain', 'tool-call'))}, {ms(f(QWEN, 'plain', 'long-prompt'))} and "
+        f"{ms(f(QWEN, 'plain', 'burst'))} ms → {ms(f(QWEN, 'kwarm', 'tool-call'))}, "
+        f"{ms(f(QWEN, 'kwarm', 'long-prompt'))} and {ms(f(QWEN, 'kwarm', 'burst'))} ms",
         f"its long prompt's repeat: {ms(f(DSV, 'plain', 'long-prompt', 'repeat'))} ms, after a first of "
         f"{ms(f(DSV, 'plain', 'long-prompt'))} ms; kwarm's first: {ms(f(DSV, 'kwarm', 'long-prompt'))} ms",
-        f"+{ready[QWEN, 'kwarm'] - ready[QWEN, 'plain']:.1f} s ({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, "
-        f"tiny Qwen3-Next, of {ready[QWEN, 'plain']:.0f} s; kwarm's warmup {s1(warm[QWEN])} s)",
-        f"+{ready[DSV, 'kwarm'] - ready[DSV, 'plain']:.1f} s ({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, "
-        f"tiny DeepSeek-V3.2, of {ready[DSV, 'plain']:.0f} s; {s1(warm[DSV])} s)",
+        f"ready in {ready[QWEN, 'kwarm']:.1f} s against {ready[QWEN, 'plain']:.1f} s "
+        f"({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, tiny Qwen3-Next; kwarm's warmup {s1(warm[QWEN])} s) and "
+        f"{ready[DSV, 'kwarm']:.1f} s against {ready[DSV, 'plain']:.1f} s "
+        f"({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, tiny DeepSeek-V3.2; {s1(warm[DSV])} s)",
+        f"{big['kwarm']['launch_to_ready_s']:.1f} s against {big['plain']['launch_to_ready_s']:.1f} s "
+        f"({pct(big['kwarm']['launch_to_ready_s'], big['plain']['launch_to_ready_s'])}), the same "
+        f"{big['kwarm']['kv_cache_tokens']:,} tokens of KV cache, peak GPU memory {big['kwarm']['peak_gpu_mib']} "
+        f"against {big['plain']['peak_gpu_mib']} MiB",
+        f"A warm restart costs {pct(restart[QWEN, 'kwarm'], restart[QWEN, 'plain'])} "
+        f"({restart[QWEN, 'kwarm']:.1f} against {restart[QWEN, 'plain']:.1f} s) and "
+        f"{pct(restart[DSV, 'kwarm'], restart[DSV, 'plain'])} ({restart[DSV, 'kwarm']:.1f} against "
+        f"{restart[DSV, 'plain']:.1f} s)",
     ]
 
 
@@ -131,31 +166,35 @@ def benchmarks_claims() -> list[str]:
     f = req_s
     both = (QWEN, DSV)
     ready = [server(m, n)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")]
-    js = [f(m, "kwarm", "json-schema") / f(m, "kwarm", "json-schema", "repeat") for m in both]
-    xg = max(server(m, "kwarm")["requests"][[r["kind"] for r in server(m, "kwarm")["requests"]].index("json-schema")]
-             ["lazy"]["frontend_ms"].get("GrammarCompiler.compile_json_schema", 0) for m in both)
+    over = {m: over_bar(m, 0) for m in both}
+    big = default_memory(BIG)["phases"][0]["servers"]
+    dsv_big = default_memory(BIG_DSV)["phases"][0]["servers"]["kwarm"]
+    gap = lambda xs: " and ".join(f"{ms(a)} against {ms(b)} ms" for _, a, b in xs)  # noqa: E731
     return serving_claims(headline=False) + [
         f"{span([triton_in_requests(m, 'plain') for m in both], str)} for `vllm serve`, "
         f"{sum(triton_in_requests(m, 'kwarm') for m in both)} with kwarm on both models",
-        f"first completion {ms(f(QWEN, 'plain', 'completion'))} ms and burst p99 TTFT "
-        f"{ms(f(QWEN, 'plain', 'burst'))} ms without kwarm",
-        f"{ms(f(QWEN, 'kwarm', 'completion'))} ms and {ms(f(QWEN, 'kwarm', 'burst'))} ms "
-        f"({f(QWEN, 'kwarm', 'completion') / f(QWEN, 'kwarm', 'completion', 'repeat'):.2f}x and "
-        f"{f(QWEN, 'kwarm', 'burst') / f(QWEN, 'kwarm', 'burst', 'repeat'):.2f}x their repeats)",
         f"request {s1(f(DSV, 'plain', 'chat-seed'))} s and {s1(f(QWEN, 'plain', 'chat-seed'))} s without kwarm "
         f"(`_topk_topp_kernel`), {ms(f(DSV, 'kwarm', 'chat-seed'))} and {ms(f(QWEN, 'kwarm', 'chat-seed'))} ms with it",
         f"`min_p` {ms(f(DSV, 'plain', 'chat-min-p'))}/{ms(f(QWEN, 'plain', 'chat-min-p'))} ms against "
         f"{ms(f(DSV, 'kwarm', 'chat-min-p'))}/{ms(f(QWEN, 'kwarm', 'chat-min-p'))} ms",
         f"`prompt_logprobs` {ms(f(DSV, 'plain', 'prompt-logprobs'))}/{ms(f(QWEN, 'plain', 'prompt-logprobs'))} ms "
         f"against {ms(f(DSV, 'kwarm', 'prompt-logprobs'))}/{ms(f(QWEN, 'kwarm', 'prompt-logprobs'))} ms",
-        f"({min(js):.2f}x and {max(js):.2f}x its repeat, "
-        f"{span([f(m, 'kwarm', 'json-schema') for m in both], ms)} against "
-        f"{span([f(m, 'kwarm', 'json-schema', 'repeat') for m in both], ms)} ms, with {xg:.0f} ms of xgrammar",
-        f"`dsa_indexer` {family(DSV, 'dsa_indexer')['seconds']:.1f} s ({family(DSV, 'dsa_indexer')['compiled']} "
-        f"compiles), `sampler` {family(DSV, 'sampler')['seconds']:.1f} s ({family(DSV, 'sampler')['compiled']} compiles)",
-        f"`sampler` {family(QWEN, 'sampler')['seconds']:.1f} s on tiny Qwen3-Next",
+        f"the first JSON-schema request {ms(f(QWEN, 'plain', 'json-schema'))} and {ms(f(DSV, 'plain', 'json-schema'))} ms "
+        f"without kwarm, {ms(f(QWEN, 'kwarm', 'json-schema'))} and {ms(f(DSV, 'kwarm', 'json-schema'))} ms with it",
+        f"Qwen3-Next's {over[QWEN][0][0]} and {over[QWEN][1][0]} ({gap(over[QWEN])}) and DeepSeek-V3.2's "
+        f"{over[DSV][0][0]} ({gap(over[DSV])})",
         f"after {span(ready, lambda x: f'{x:.0f}')} s cold starts",
+        f"plain `vllm serve` compiled {big_triton('plain')} Triton "
+        f"kernels in requests, kwarm {big_triton('kwarm')}",
+        f"DeepSeek-V3.2's dimensions at 0.92 (kwarm alone: the device time did not hold its plain server): ready in "
+        f"{dsv_big['launch_to_ready_s']:.1f} s, {dsv_big['kv_cache_tokens']:,} tokens of KV cache, "
+        f"{sum((r.get('lazy') or {}).get('counts', {}).get('triton', 0) for r in dsv_big['requests'])} compiles in requests",
     ]
+
+
+def big_triton(name: str) -> int:
+    s = default_memory(BIG)["phases"][0]["servers"][name]
+    return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0) for r in s["requests"])
 
 
 def fp8_claims() -> list[str]:
@@ -239,7 +278,7 @@ def serving_tables(doc: str) -> list[str]:
     sys.path.insert(0, str(ROOT / "bench"))
     import serve_bench
 
-    results = [load(p) for p in sorted(SERVE.glob("*.serve.json"))]
+    results = [load(p) for p in sorted([*SERVE.glob("*.serve.json"), *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
     have = [line for line in section.splitlines() if line.startswith("|")]
