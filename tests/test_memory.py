@@ -232,3 +232,50 @@ def test_a_family_that_grew_the_allocator_returns_its_blocks_unless_they_are_its
     monkeypatch.setitem(warmup.FAMILIES, "grower", Family("grower", module.__name__, "test", keeps_memory=True))
     warmup._run_family("grower", types.SimpleNamespace(), config.get())
     assert device.reserved == 63 * GiB, "the caching allocator family's blocks are what it warms"
+
+
+def test_a_failed_steps_tensors_are_freed_before_the_next_step_not_kept_by_its_traceback(device, monkeypatch,
+                                                                                           kwarm_env):
+    """A real step's tensors live in its frames, which the out-of-memory error's traceback keeps, in
+    a cycle with kwarm's record of the error: they must be gone (and their blocks returned) before
+    the next step runs, not whenever Python's garbage collector gets to them."""
+    import gc
+
+    kwarm_env()
+
+    class Tensor:  # frees its bytes when it dies, as torch's do
+        def __init__(self, n):
+            self.n = 0
+            device.alloc(n)
+            self.n = n
+
+        def __del__(self):
+            device.free(self.n)
+
+    module = types.ModuleType("kwarm_test_memory_frames")
+    module.applies = lambda view: None
+
+    def greedy():
+        held = []
+        for _ in range(10):
+            held.append(Tensor(GiB))  # the fifth raises: four GiB live in this frame
+        return ["never"]
+
+    seen = []
+
+    def small():
+        seen.append((device.allocated, device.reserved))
+        return ["small"]
+
+    module.plan = lambda view, forced: Plan([Step("greedy", "k", run=greedy), Step("small", "k", run=small)])
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(warmup.FAMILIES, "memframes", Family("memframes", module.__name__, "test"))
+    memory.begin(worker(peak_activation_memory=4 * GiB))
+    gc.disable()  # what the collector would do some time later must not be what frees them
+    try:
+        result = warmup._run_family("memframes", types.SimpleNamespace(), __import__("kwarm_ext.config").config.get())
+    finally:
+        gc.enable()
+    assert [s["status"] for s in result.steps] == ["failed", "ran"]
+    assert seen == [(60 * GiB, 60 * GiB)], "the failed step's tensors and blocks were gone before the next step"
+    memory.end()
