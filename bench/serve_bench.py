@@ -339,10 +339,17 @@ class GpuMemory:
         self._thread.join(timeout=5)
 
     def _run(self):
+        self.processes: dict = {}  # label -> the most MiB it held; and who held what at the peak
+        self.at_peak: list = []
         while not self._stop.is_set():
             mib = gpu_used_mib()
             if mib is not None:
                 self.samples.append([round(time.time() - self.t0, 1), mib])
+                apps = gpu_processes_mib()
+                for label, used in apps:
+                    self.processes[label] = max(used, self.processes.get(label, 0))
+                if mib >= max(s[1] for s in self.samples):
+                    self.at_peak = apps
             self._stop.wait(self.interval)
 
     def summary(self, every: float = 2.0) -> dict:
@@ -361,7 +368,37 @@ class GpuMemory:
         thin.append([bucket[0] * every, bucket[1]])
         peak_t, peak = max(self.samples, key=lambda s: s[1])
         return {"peak_gpu_mib": peak, "peak_gpu_at_s": peak_t, "gpu_mib_timeline": thin,
-                "gpu_sample_interval_s": self.interval}
+                "gpu_sample_interval_s": self.interval,
+                "gpu_processes_peak_mib": dict(sorted(getattr(self, "processes", {}).items())),
+                "gpu_processes_at_peak_mib": getattr(self, "at_peak", [])}
+
+
+def gpu_processes_mib() -> list:
+    """[[label, MiB], ...] of every process holding memory on the GPU (``nvidia-smi
+    --query-compute-apps``), labelled by its command line (vLLM titles its processes, e.g.
+    ``VLLM::EngineCore``): which of a server's processes holds what."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except Exception:  # noqa: BLE001  (no GPU here)
+        return []
+    apps = []
+    for line in out.strip().splitlines():
+        try:
+            pid, used = (part.strip() for part in line.split(","))
+            apps.append([process_label(int(pid)), int(used)])
+        except ValueError:
+            continue
+    return apps
+
+
+def process_label(pid: int) -> str:
+    """``<pid> <command line, 60 characters>`` (``<pid> ?`` where it cannot be read)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        cmd = "?"
+    return f"{pid} {cmd[:60]}"
 
 
 def gpu_used_mib() -> int | None:

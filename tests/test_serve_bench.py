@@ -398,3 +398,25 @@ def test_traffic_at_ready_reads_vllms_and_the_http_middlewares_counters_from_a_r
         "plain": {"launch_to_ready_s": 10.0, "traffic_at_ready": {"http_requests_total": 1.0}},
         "kwarm": {"launch_to_ready_s": 9.0, "traffic_at_ready": counters}}}]}])
     assert "| `/metrics` at ready (besides the readiness poll) | HTTP requests 1 | requests 3, prompt tokens 0, HTTP requests 1 |" in table
+
+
+def test_the_memory_sampler_says_which_process_held_what(tmp_path, monkeypatch):
+    """--one-at-a-time names each process's most memory and who held what at the peak, from
+    nvidia-smi's compute apps (a stand-in nvidia-smi on PATH; the labels from /proc)."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$1\" in --query-compute-apps*) "
+                    f"printf '%s, 70000\\n%s, 1500\\n' {os.getpid()} 999999999 ;; *) echo 71500 ;; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert serve_bench.gpu_used_mib() == 71500
+    apps = serve_bench.gpu_processes_mib()
+    assert apps[0][1] == 70000 and apps[0][0].startswith(f"{os.getpid()} ") and "python" in apps[0][0].lower()
+    assert apps[1] == ["999999999 ?", 1500]
+    sampler = serve_bench.GpuMemory(time.time(), interval=0.01)
+    with sampler:
+        time.sleep(0.2)
+    summary = sampler.summary()
+    assert summary["peak_gpu_mib"] == 71500
+    assert summary["gpu_processes_peak_mib"]["999999999 ?"] == 1500
+    assert summary["gpu_processes_at_peak_mib"] == apps
