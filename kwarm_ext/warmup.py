@@ -11,13 +11,13 @@ step is isolated: an exception becomes one warning naming the step and the reaso
 the next step runs (``KWARM_STRICT=1`` re-raises instead). It ends with one short summary line
 per worker (the families that ran, how many were skipped and failed, the compiles, the longest
 family, what was left to the requests), the per-family detail on DEBUG and, with
-``KWARM_REPORT``, a JSON report that has both (``summary``, ``detail``, ``left_to_requests``).
+``KWARM_REPORT``, a JSON report that has both (``summary``, ``detail``, ``left_to_requests``):
+their text and the report's file are ``kwarm_ext/report.py``'s.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -26,6 +26,9 @@ import traceback
 
 from kwarm_ext import budget, config, engine, memory, monitor
 from kwarm_ext.log import fail_open
+from kwarm_ext.report import (NO_VIEW, OUT_OF_MEMORY, budget_seconds, kwarm_version, learning_text,
+                              left_to_requests, memory_summary, node_cache_counts, outcome, report_path,
+                              short_line, write_report)
 from kwarm_ext.families import FAMILIES, Plan
 
 logger = logging.getLogger("kwarm")
@@ -68,15 +71,14 @@ class StepFailed(Exception):
     pass
 
 
-OUT_OF_MEMORY = "OutOfMemoryError"  # torch's, in a failed step's reason (StepFailed: "<Type>: <message>")
 
 
 def guarded(what: str, fn):
     """Run `fn` under kwarm's failure policy (``log.fail_open``): an exception is one warning
     naming `what`, then :class:`StepFailed` for the caller to record."""
-    with fail_open(f"{what} failed, skipped") as outcome:
+    with fail_open(f"{what} failed, skipped") as failure:
         return fn()
-    raise StepFailed(f"{type(outcome.error).__name__}: {outcome.error}") from outcome.error
+    raise StepFailed(f"{type(failure.error).__name__}: {failure.error}") from failure.error
 
 
 # vLLM 0.34+: keeps a one-off step's transient memory out of the extensible KV cache's reserve
@@ -112,7 +114,7 @@ def run(worker) -> dict:
     """Warm `worker`; returns the report (also written to KWARM_REPORT)."""
     settings = config.get()
     t0 = time.perf_counter()
-    report = {"kwarm": _kwarm_version(), "pid": os.getpid(), "families": [], "view": None,
+    report = {"kwarm": kwarm_version(), "pid": os.getpid(), "families": [], "view": None,
               "started_at": round(time.time(), 3),  # wall clock: ranks' reports side by side give their skew
               "budget": budget.begin(settings.budget), "memory": memory.begin(worker)}
     try:
@@ -144,18 +146,18 @@ def _run(worker, settings, t0: float, report: dict) -> dict:
     if learning is not None:
         report["learn"] = {"manifest": learning.path, "newly_learned": learning.recorder.recorded}
     report["total_s"] = round(time.perf_counter() - t0 + ahead_s, 4)
-    report["triton_node_cache"] = _node_cache_counts()
+    report["triton_node_cache"] = node_cache_counts()
     report["ended_at"] = round(time.time(), 3)
     rank = view.tp_rank if view is not None and view.tp_rank is not None else 0
     report["rank"] = rank
     head = (f"kwarm: warmup done in {report['total_s']:.2f} s on rank {rank} "
-            f"(budget {_budget_seconds(report['budget'])}): {_short(results)}"
+            f"(budget {budget_seconds(report['budget'])}): {short_line(results)}"
             + (f"; learning into {learning.path}" if learning is not None else ""))
     where = report_path(settings.report, rank) if settings.report else None
     report["summary"] = head + (f"; report {where}" if where else "")
-    report["detail"] = f"budget {report['budget']}; {_outcome(results)}{_learning_text(learning)}"
+    report["detail"] = f"budget {report['budget']}; {outcome(results)}{learning_text(learning)}"
     report["left_to_requests"] = left_to_requests(results)
-    memory_text = _memory_summary(report, results)
+    memory_text = memory_summary(report, results)
     written = _write(report, settings, rank)
     logger.info("%s", report["summary"] if written else head)
     logger.debug("kwarm: warmup detail on rank %s: %s", rank, report["detail"])
@@ -322,9 +324,9 @@ def after_capture(worker) -> dict | None:
     seconds = round(time.perf_counter() - t0, 4)
     rank = report.get("rank", 0) if report else 0
     part = {"total_s": seconds, "families": [dataclasses.asdict(r) for r in results], "memory": bound,
-            "summary": f"kwarm: after CUDA-graph capture, {seconds:.2f} s on rank {rank}: {_short(results)}",
-            "detail": _outcome(results), "left_to_requests": left_to_requests(results)}
-    memory_text = _memory_summary(part, results)
+            "summary": f"kwarm: after CUDA-graph capture, {seconds:.2f} s on rank {rank}: {short_line(results)}",
+            "detail": outcome(results), "left_to_requests": left_to_requests(results)}
+    memory_text = memory_summary(part, results)
     logger.info("%s", part["summary"])
     logger.debug("kwarm: after CUDA-graph capture, detail on rank %s: %s", rank, part["detail"])
     if memory_text:
@@ -333,64 +335,6 @@ def after_capture(worker) -> dict | None:
         report["after_capture"] = part
         _write(report, settings, rank)
     return part
-
-
-def _budget_seconds(description: str) -> str:
-    """The budget's seconds (or ``unlimited``) of its description (``budget.begin``'s), for the
-    short line: the first words, before the parenthesis that says how they were found."""
-    return description.split(" (", 1)[0]
-
-
-def _short(results: list) -> str:
-    """The short line's text of `results`: the families that ran, how many were skipped and
-    failed, the compiles, the longest family and what was left to the requests (the detail:
-    :func:`_outcome`)."""
-    ran = [r for r in results if r.status == "ran"]
-    text = (f"ran {', '.join(r.name for r in ran) or '-'}; "
-            f"{sum(r.status == 'skipped' for r in results)} skipped; "
-            f"{sum(r.status == 'failed' for r in results)} failed; "
-            f"{sum(len(r.compiled) for r in results)} compiled")
-    if ran:
-        longest = max(ran, key=lambda r: r.seconds)
-        text += f"; largest {longest.name} {longest.seconds:.1f} s"
-    left: dict = {}
-    for item in left_to_requests(results):
-        if item["what"] not in FAMILIES_LEFT:  # counted above
-            left[item["what"]] = left.get(item["what"], 0) + item["count"]
-    if left:
-        text += f"; left to requests: {', '.join(f'{n} {what}' for what, n in left.items())}"
-    return text
-
-
-NO_VIEW = "no engine view"
-FAMILIES_LEFT = ("failed families", "skipped families")  # left_to_requests' whole families
-
-
-def left_to_requests(results: list) -> list:
-    """What the families of `results` did not warm, as kwarm knows it, so the requests may
-    compile it: a failed family or step, a family skipped for want of an engine view, and what a
-    family's details say it left (``details["left_to_requests"]``: ``eager_gemm``'s GEMM problems
-    past ``KWARM_BUDGET``, ``replay``'s skipped manifest entries). Each item:
-    ``{family, step (where one), count, what, why}``."""
-    left = []
-    for r in results:
-        if r.status == "failed" or (r.status == "skipped" and r.reason == NO_VIEW):
-            left.append({"family": r.name, "count": 1, "what": FAMILIES_LEFT[r.status == "skipped"], "why": r.reason})
-            continue
-        for step in r.steps:
-            if step["status"] == "failed":
-                left.append({"family": r.name, "step": step["name"], "count": 1, "what": "failed steps",
-                             "why": step["reason"]})
-        left += [{"family": r.name, **item} for item in r.details.get("left_to_requests") or []]
-    return left
-
-
-def _outcome(results: list) -> str:
-    """`ran A | B; skipped C (why); failed -`: the families of one detail line."""
-    def short(status, sep):
-        return sep.join(r.short() for r in results if r.status == status) or "-"
-
-    return f"ran {short('ran', ' | ')}; skipped {short('skipped', ', ')}; failed {short('failed', ', ')}"
 
 
 def _write(report: dict, settings, rank: int) -> str | None:
@@ -483,12 +427,6 @@ def _progress(family: str):
         thread.join(timeout=1)
 
 
-def _learning_text(learning) -> str:
-    if learning is None:
-        return ""
-    return f"; learning: {learning.recorder.recorded} newly learned so far -> {learning.path}"
-
-
 def _start_learning(view):
     """Begin recording for KWARM_LEARN (idempotent); None when it cannot (one warning)."""
     if view is None:
@@ -541,59 +479,3 @@ def _run_step(family: str, step) -> dict:
     if used:
         record["memory"] = used
     return record
-
-
-def _node_cache_counts() -> dict | None:
-    """This rank's Triton compiles and loads of another rank's, where kwarm's cache manager is in use."""
-    try:
-        from kwarm_ext.surfaces.triton import node_cache
-    except Exception:  # noqa: BLE001  (no Triton)
-        return None
-    return node_cache.counts_in_use()
-
-
-def _memory_summary(report: dict, results: list) -> str | None:
-    """The memory line's text (also ``report["memory_summary"]``): kwarm's memory bound and the
-    step that took the most (the report has them all); None where neither is known."""
-    bound = report.get("memory")
-    top = memory.largest((f"{r.name}.{r.memory['step']}", r.memory) for r in results if r.memory)
-    if not bound and top is None:
-        return None
-    text = (f"bound {memory.gib(bound['headroom'])} above {memory.gib(bound['base_allocated'])} allocated "
-            f"({bound['how']})" if bound else "unbounded")
-    if top is not None:
-        name, used = top
-        text += (f"; largest step {name}: peak {memory.gib(used.get('peak_allocated'))} allocated"
-                 + (f" (+{memory.gib(used['above_base'])})" if "above_base" in used else "")
-                 + f", {memory.gib(used.get('peak_reserved'))} reserved")
-    oom = [f"{r.name}.{s['name']}" for r in results for s in r.steps
-           if s["status"] == "failed" and OUT_OF_MEMORY in (s.get("reason") or "")]
-    if oom:
-        text += f"; out of memory within the bound, skipped: {', '.join(oom)}"
-    report["memory_summary"] = text
-    return text
-
-
-def report_path(path: str, rank: int) -> str:
-    """Where rank `rank`'s report of KWARM_REPORT `path` goes: ``{rank}`` in `path` is the rank,
-    else ranks > 0 get ``.rank<N>``."""
-    if "{rank}" in path:
-        return path.replace("{rank}", str(rank))
-    return f"{path}.rank{rank}" if rank else path
-
-
-def write_report(report: dict, path: str, rank: int) -> str:
-    """Write atomically to :func:`report_path`; returns that path."""
-    path = report_path(path, rank)
-    from kwarm_ext.manifest_files import check_writable_target, write_atomic
-
-    check_writable_target(path)  # never replace a device, a FIFO, a link or another user's file
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    write_atomic(path, json.dumps(report, indent=1, default=str))  # O_EXCL|O_NOFOLLOW temporary, fchmod
-    return path
-
-
-def _kwarm_version() -> str:
-    from kwarm_ext._version import __version__
-
-    return __version__
