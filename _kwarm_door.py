@@ -52,6 +52,23 @@ def install() -> None:
     sys.meta_path.insert(0, DOOR)
 
 
+_warned = False
+
+
+def invalid(raw: str) -> None:
+    """The ``.pth`` line's one warning for a ``KWARM_ENABLE`` that is neither true nor false (kwarm
+    stays off): once per process (``site`` can run the line twice), and not in ``kwarm doctor``,
+    which reports it itself (each problem once)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None) or []
+    if "doctor" in argv and any(a == "kwarm_ext.cli" or a.rsplit("/", 1)[-1] == "kwarm" for a in argv):
+        return
+    sys.stderr.write("WARNING kwarm: KWARM_ENABLE=%r is not 1/true/yes/on or 0/false/no/off: kwarm is off\n" % (raw,))
+
+
 def armed() -> bool:
     """Whether the door waits in this process (``kwarm doctor``, the tests)."""
     return DOOR in sys.meta_path

@@ -244,7 +244,9 @@ def verdict(r: dict) -> list:
              f"  families that run here: {', '.join(runs) or 'none'}"
              + (f"; in vLLM's other processes: {', '.join(elsewhere)}" if elsewhere else "")]
     lines += [f"  not here ({why}): {', '.join(names)}" for why, names in reasons.items()]
-    lines += [f"  problem: {p}" for p in r["config_problems"]]
+    # KWARM_ENABLE's problem is the verdict's first line already (each problem said once)
+    said = "KWARM_ENABLE=" in r["enable_text"]
+    lines += [f"  problem: {p}" for p in r["config_problems"] if not (said and p.startswith("KWARM_ENABLE="))]
     return lines
 
 

@@ -103,6 +103,7 @@ def test_doctor_json_is_pure_json_and_says_there_is_no_gpu():
     proc = subprocess.run([str(kwarm), "doctor", "--json"], capture_output=True, text=True,
                           env=clean_env(KWARM_ENABLE="banana", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 5  # an invalid setting, and kwarm off
+    assert "KWARM_ENABLE" not in proc.stderr, "said once, by the doctor, not also by the .pth line"
     r = json.loads(proc.stdout)
     assert r["enabled"] is False and r["gpu"]["available"] is False
     assert r["enable_text"] == "disabled (KWARM_ENABLE='banana' is not 1/true/yes/on or 0/false/no/off)"
@@ -210,6 +211,7 @@ def test_doctor_json_stays_json_when_kwarm_is_enabled_with_a_bad_setting():
     ({}, 4),                                                  # disabled: would not hook vLLM
     ({"KWARM_ENABLE": "1", "VLLM_PLUGINS": "other"}, 0),      # the .pth door still fires
     ({"KWARM_ENABLE": "0", "KWARM_LOG_LEVEL": "chatty"}, 5),  # both
+    ({"KWARM_ENABLE": "banana"}, 5),  # the .pth line's warning is not a second telling
 ])
 def test_doctor_exit_status_and_each_problem_once(env, status):
     """Issue 63: `kwarm doctor` gates a deployment (documented statuses), and the text output
@@ -218,8 +220,8 @@ def test_doctor_exit_status_and_each_problem_once(env, status):
     proc = subprocess.run([str(kwarm), "doctor"], capture_output=True, text=True,
                           env=clean_env(CUDA_VISIBLE_DEVICES="", **env))
     assert proc.returncode == status, proc.stdout[:2000] + proc.stderr[-2000:]
-    for key in ("KWARM_BUDGET", "KWARM_LOG_LEVEL"):
-        if key in env:
+    for key in ("KWARM_BUDGET", "KWARM_LOG_LEVEL", "KWARM_ENABLE"):
+        if key in env and env[key] not in ("0", "1"):  # the invalid values
             assert (proc.stdout + proc.stderr).count(f"{key}={env[key]!r}") == 1, proc.stdout + proc.stderr
 
 
