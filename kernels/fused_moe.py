@@ -285,6 +285,28 @@ def _probe_compiled(dummy_run, first: int, probe_s: float, cached: int | None) -
     return probe_s - rerun_s >= COLD_PROBE_S, f"probe {probe_s:.2f} s, its rerun {rerun_s:.2f} s"
 
 
+def _run_sizes(dummy_run, sizes: list, torch) -> list:
+    """One dummy run per token count, smallest first; where one runs out of memory (kwarm's bound,
+    a GPU at ``--gpu-memory-utilization 0.92``), that count and the larger ones are left (their
+    activations only grow) and what the failed run held goes back. Returns the counts left.
+
+    Why: one count over the bound used to fail the whole step, every count's result with it, and
+    kept the failed run's activations (0.9 GB at published Qwen3-Next dimensions, H100, 0.92)."""
+    ordered = sorted(sizes)
+    for i, m in enumerate(ordered):
+        try:
+            dummy_run(m)
+        except torch.OutOfMemoryError:
+            left = ordered[i:]
+            break
+    else:
+        return []
+    from kwarm_ext import memory
+
+    memory.release()  # after the except block: the failed run's frames (its activations) are gone
+    return left
+
+
 def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int = 1,
                      alone: bool = True, details: dict | None = None) -> list:
     """Probe, find the config regions, compile ahead, run one token count per region's
@@ -315,11 +337,13 @@ def warm_eager_sizes(config_fn, dummy_run, first: int, last: int, threads: int =
                 ahead = compile_ahead(dummy_run, [m for m in sizes if m != first], threads) + f" ({timing})"
             else:  # its compiles were loads from Triton's cache: a second pass would only cost
                 ahead = f"no compile ahead ({timing}: Triton's cache is warm)"
-        for m in sizes:
-            if m != first:
-                dummy_run(m)
+        too_big = _run_sizes(dummy_run, [m for m in sizes if m != first], torch)
+    if too_big:
+        ahead += f"; M {too_big[0]}..{too_big[-1]} over kwarm's memory bound, left to the requests"
+        details["left_to_requests"] = [{"count": len(too_big), "what": "fused-MoE token counts",
+                                        "why": f"M {too_big[0]}..{too_big[-1]}: out of memory within kwarm's bound"}]
     details.update(
-        summary=(f"{len(sizes)} eager token counts in {len(spans)} config regions "
+        summary=(f"{len(sizes) - len(too_big)} eager token counts in {len(spans)} config regions "
                  f"(M {first}..{last}, every {step} per region); {ahead}"),
         regions=[{"M": [lo, hi], "config": dict(key[0][0])} for lo, hi, key in spans], probe_s=round(probe_s, 3),
         token_counts=sizes, config_calls=len(calls), down_tables=len(down_tables))

@@ -213,3 +213,23 @@ def test_a_cache_manager_of_the_users_own_is_not_counted(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_CACHE_MANAGER")
     monkeypatch.setattr(triton_compat, "interpreted", lambda: True)
     assert triton_compile.disk_cache_entries() is None, "the interpreter writes no kernel"
+
+
+def test_token_counts_over_the_memory_bound_are_left_to_the_requests_not_the_whole_step(monkeypatch):
+    """At vLLM's default memory utilization the largest eager token counts may not fit kwarm's
+    bound: the first that runs out of memory (torch's real OutOfMemoryError) ends the pass there,
+    the smaller ones stay warmed, and the report's left-to-requests item says which counts."""
+    import torch
+
+    def forward(runs):
+        if len(runs) > 1 and runs[-1] >= 37:  # past the probe (M 33): the larger counts
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 514.00 MiB")
+
+    runs, passes, details = _warm_eager_sizes(monkeypatch, forward)
+    sizes = details["token_counts"]
+    big = [m for m in sizes if m >= 37]
+    assert len(big) >= 2 and runs[-1] == big[0], "no larger count after the first that did not fit"
+    assert [m for m in runs if m != 33][:-1] == [m for m in sizes if 33 < m < 37], "the smaller ones ran"
+    assert details["left_to_requests"] == [{"count": len(big), "what": "fused-MoE token counts",
+                                            "why": f"M {big[0]}..{big[-1]}: out of memory within kwarm's bound"}]
+    assert f"M {big[0]}..{big[-1]} over kwarm's memory bound" in details["summary"]
