@@ -59,7 +59,7 @@ def kwarm_lines(lines: list) -> list:
 
 
 @pytest.mark.parametrize("configure", [None, "0"])
-def test_caplog_sees_kwarm_records(kwarm_env, monkeypatch, caplog, configure):
+def test_caplog_sees_kwarm_records(kwarm_env, monkeypatch, caplog, request, configure):
     from kwarm_ext import config
     from kwarm_ext.log import fail_open
 
@@ -68,14 +68,26 @@ def test_caplog_sees_kwarm_records(kwarm_env, monkeypatch, caplog, configure):
         monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     else:
         monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", configure)
+    # logging state another test on this worker may leave (a third-party dictConfig that disables
+    # existing loggers, vLLM's suppress_logging left on by an exception): not kwarm's to test here
+    # (through logging's own calls, which also clear the loggers' isEnabledFor caches)
+    kwarm_logger = logging.getLogger("kwarm")
+    monkeypatch.setattr(kwarm_logger, "disabled", False)
+    disabled_level, level = logging.root.manager.disable, kwarm_logger.level
+    logging.disable(logging.NOTSET)
+    request.addfinalizer(lambda: (logging.disable(disabled_level), kwarm_logger.setLevel(level)))
+    if configure is not None:
+        kwarm_logger.setLevel(logging.NOTSET)  # the application's level rules
     config.get()  # configures the kwarm logger as activation does (kwarm_env resets it after)
     # propagating is what puts the records on the root's handlers (caplog's); pytest >= 9.2 also
     # captures a logger that did not propagate when the test began, so the records alone do not tell
     assert logging.getLogger("kwarm").propagate is True
     with fail_open("probe"):
         raise RuntimeError("boom")
+    state = (f"kwarm logger level {kwarm_logger.level}, effective {kwarm_logger.getEffectiveLevel()}, "
+             f"handlers {kwarm_logger.handlers}; root handlers {logging.getLogger().handlers}")
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
-        ("kwarm", logging.WARNING, "kwarm: probe: RuntimeError: boom")]
+        ("kwarm", logging.WARNING, "kwarm: probe: RuntimeError: boom")], state
 
 
 @pytest.mark.parametrize("order", ORDERS)
