@@ -105,18 +105,8 @@ def open_door() -> None:
 
 
 def _find_elsewhere(fullname, path, target):
-    """The spec the rest of ``sys.meta_path`` finds (the door removed itself from the list
-    importlib is walking, which would make it skip the next finder)."""
-    for finder in list(sys.meta_path):
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is not None:
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                return spec
-        elif getattr(finder, "find_module", None) is not None:  # a legacy finder (Python < 3.12)
-            loader = finder.find_module(fullname, path)
-            if loader is not None:
-                import importlib.util
+    """The spec the rest of ``sys.meta_path`` finds: importlib's own search, now that the door has
+    taken itself out (the triggers are top-level packages: no parent path to pass)."""
+    import importlib.util
 
-                return importlib.util.spec_from_loader(fullname, loader)
-    return None
+    return importlib.util.find_spec(fullname)

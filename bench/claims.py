@@ -107,18 +107,13 @@ def default_memory(model: str) -> dict:
     return load(SERVE_092 / f"{model}.serve.json")
 
 
-def over_bar(model: str, phase: int) -> list[tuple[str, float, float]]:
-    """kwarm's request kinds whose first is over 1.1x its repeat and more than 10 ms over it."""
+def over_bar(model: str) -> list[tuple[str, float, float]]:
+    """kwarm's request kinds whose first (cold) is over 1.1x its repeat and more than 10 ms over it."""
     out = []
-    for r in phase_server(model, phase, "kwarm")["requests"]:
-        if r["occurrence"] != "first":
-            continue
-        first, repeat = req_s(model, "kwarm", r["kind"]), None
-        for q in phase_server(model, phase, "kwarm")["requests"]:
-            if q["kind"] == r["kind"] and q["occurrence"] == "repeat" and not q.get("error"):
-                repeat = q["ttft_s"] if q.get("ttft_s") is not None else q["s"]
-        if phase == 0 and first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
-            out.append((r["kind"], first, repeat))
+    for kind in dict.fromkeys(r["kind"] for r in server(model, "kwarm")["requests"]):
+        first, repeat = req_s(model, "kwarm", kind), req_s(model, "kwarm", kind, "repeat")
+        if first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
+            out.append((kind, first, repeat))
     return out
 
 
@@ -166,8 +161,7 @@ def benchmarks_claims() -> list[str]:
     f = req_s
     both = (QWEN, DSV)
     ready = [server(m, n)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")]
-    over = {m: over_bar(m, 0) for m in both}
-    big = default_memory(BIG)["phases"][0]["servers"]
+    over = {m: over_bar(m) for m in both}
     dsv_big = default_memory(BIG_DSV)["phases"][0]["servers"]["kwarm"]
     gap = lambda xs: " and ".join(f"{ms(a)} against {ms(b)} ms" for _, a, b in xs)  # noqa: E731
     return serving_claims(headline=False) + [

@@ -30,7 +30,6 @@ import contextlib
 import fcntl
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -327,6 +326,8 @@ class GpuMemory:
 
     def __init__(self, t0: float, interval: float = 0.5):
         self.t0, self.interval, self.samples = t0, interval, []
+        self.processes: dict = {}  # label -> the most MiB it held (gpu_processes_mib)
+        self.at_peak: list = []  # who held what at the peak sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-memory", daemon=True)
 
@@ -339,8 +340,7 @@ class GpuMemory:
         self._thread.join(timeout=5)
 
     def _run(self):
-        self.processes: dict = {}  # label -> the most MiB it held; and who held what at the peak
-        self.at_peak: list = []
+        peak = -1
         while not self._stop.is_set():
             mib = gpu_used_mib()
             if mib is not None:
@@ -348,8 +348,8 @@ class GpuMemory:
                 apps = gpu_processes_mib()
                 for label, used in apps:
                     self.processes[label] = max(used, self.processes.get(label, 0))
-                if mib >= max(s[1] for s in self.samples):
-                    self.at_peak = apps
+                if mib >= peak:
+                    peak, self.at_peak = mib, apps
             self._stop.wait(self.interval)
 
     def summary(self, every: float = 2.0) -> dict:
@@ -369,8 +369,8 @@ class GpuMemory:
         peak_t, peak = max(self.samples, key=lambda s: s[1])
         return {"peak_gpu_mib": peak, "peak_gpu_at_s": peak_t, "gpu_mib_timeline": thin,
                 "gpu_sample_interval_s": self.interval,
-                "gpu_processes_peak_mib": dict(sorted(getattr(self, "processes", {}).items())),
-                "gpu_processes_at_peak_mib": getattr(self, "at_peak", [])}
+                "gpu_processes_peak_mib": dict(sorted(self.processes.items())),
+                "gpu_processes_at_peak_mib": self.at_peak}
 
 
 def gpu_processes_mib() -> list:
@@ -795,7 +795,6 @@ def run(args) -> int:
     try:
         for i, phase in enumerate(phases):
             label = phase if i < 2 else f"warm{i}"
-            t_start = time.time()
             if i > 0:
                 left = deadline - time.time()
                 last = result["phases"][-1]

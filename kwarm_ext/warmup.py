@@ -71,8 +71,6 @@ class StepFailed(Exception):
     pass
 
 
-
-
 def guarded(what: str, fn):
     """Run `fn` under kwarm's failure policy (``log.fail_open``): an exception is one warning
     naming `what`, then :class:`StepFailed` for the caller to record."""
