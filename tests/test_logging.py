@@ -68,9 +68,12 @@ def test_caplog_sees_kwarm_records(kwarm_env, monkeypatch, caplog, request, conf
         monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     else:
         monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", configure)
-    # logging state another test on this worker may leave (a third-party dictConfig that disables
-    # existing loggers, vLLM's suppress_logging left on by an exception): not kwarm's to test here
-    # (through logging's own calls, which also clear the loggers' isEnabledFor caches)
+    # logging state another test on this worker leaves: importing vLLM's API server (0.24+, its
+    # SageMaker router) runs model_hosting_container_standards' configure_root_logger, which raises
+    # the root's handlers, caplog's among them, to ERROR; a logger disabled or vLLM's
+    # suppress_logging left on by an exception likewise. Not kwarm's to test here; undone through
+    # logging's own calls (they also clear the loggers' isEnabledFor caches).
+    caplog.set_level(logging.WARNING)  # caplog's handler (and the root) back to WARNING, restored after
     kwarm_logger = logging.getLogger("kwarm")
     monkeypatch.setattr(kwarm_logger, "disabled", False)
     disabled_level, level = logging.root.manager.disable, kwarm_logger.level
