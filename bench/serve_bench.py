@@ -314,10 +314,70 @@ def traffic_counters(text: str) -> dict:
     return out
 
 
+def stages_text(stages: dict | None) -> str:
+    """``engine 34, weights loaded 41, ...`` in the order they happened."""
+    if not stages:
+        return "—"
+    return ", ".join(f"{name} {seconds:.0f}" for name, seconds in sorted(stages.items(), key=lambda kv: kv[1]))
+
+
 def kv_cache_tokens(lines) -> int | None:
     """The token count of vLLM's "GPU KV cache size: N tokens" line (the last one), if any."""
     found = [int(m.group(1).replace(",", "")) for m in map(KV_TOKENS_RE.search, lines) if m]
     return found[-1] if found else None
+
+
+# The milestones of a start, each the first log line that matches (vLLM's own lines, FlashInfer's
+# JIT lines, kwarm's): where the time between launch and ready went, to the second.
+START_STAGES = (
+    ("engine", r"Initializing a V1 LLM engine"),
+    ("weights loaded", r"Model loading took|Loading weights took"),
+    ("torch.compile done", r"torch\.compile takes[^\n]*in total"),
+    ("memory profiled", r"Available KV cache memory"),
+    ("kv cache sized", r"GPU KV cache size"),
+    ("kwarm warmup done", r"kwarm: warmup done in"),
+    ("graphs captured", r"Graph capturing finished"),
+    ("engine ready", r"init engine \(profile"),
+    ("kwarm warm requests done", r"kwarm: warm requests:"),
+    ("api listening", r"Starting vLLM (?:API )?server on|Application startup complete"),
+    ("sampling build started", r"Building JIT module sampling|Loading JIT ops: sampling"),
+    ("sampling build done", r"Finished (?:building|loading) JIT (?:module|ops): sampling"),
+    ("kwarm early sampling built", r"kwarm: early FlashInfer build: sampling ready"),
+)
+_STAMP_RES = (re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR)\s+(\d\d-\d\d \d\d:\d\d:\d\d)\b"),  # vLLM's
+              re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ - "))  # logging's default (FlashInfer)
+
+
+def line_time(line: str, year: int) -> float | None:
+    """The epoch seconds of a log line's own timestamp (local time, to the second), if it has one."""
+    import datetime
+
+    for i, r in enumerate(_STAMP_RES):
+        m = r.search(line)
+        if m:
+            fmt, text = ("%Y-%m-%d %H:%M:%S", m.group(1)) if i else ("%Y-%m-%d %H:%M:%S", f"{year}-{m.group(1)}")
+            try:
+                return datetime.datetime.strptime(text, fmt).timestamp()
+            except ValueError:
+                return None
+    return None
+
+
+def start_stages(lines, launched: float) -> dict:
+    """``{stage: seconds after launch}`` of :data:`START_STAGES` met in a server's log, in log order.
+    Timestamps are the lines' own (one-second resolution): a stage reads as up to 1 s early."""
+    import datetime
+
+    year = datetime.datetime.fromtimestamp(launched).year
+    patterns = [(name, re.compile(p)) for name, p in START_STAGES]
+    found: dict = {}
+    for line in lines:
+        for name, r in patterns:
+            if name not in found and r.search(line):
+                t = line_time(line, year)
+                if t is not None:
+                    found[name] = round(max(0.0, t - launched), 0)
+    return found
 
 
 class GpuMemory:
@@ -702,6 +762,7 @@ def start_phase(servers: list[Server], phase: str, timeout: float, log) -> dict:
                 "traffic_at_ready": s.traffic_at_ready() if ready else None,
                 "exit_code": None if s.alive() else (s.proc.returncode if s.proc else None),
                 "backends": backends_from_log(lines), "kv_cache_tokens": kv_cache_tokens(lines),
+                "start_stages": start_stages(lines, s.launched),
                 "lazy_before_ready": summarize_lazy(events_between(load_events(s.events_path), s.launched,
                                                                    s.ready_at or time.time()))}
         if not ready:
@@ -920,6 +981,9 @@ def render(results: list[dict]) -> str:
             out.append(f"| launch to ready | {lr[0] if lr[0] else 'not ready'} s | "
                        f"{lr[1] if lr[1] else 'not ready'} s{cost}"
                        f"{' (kwarm warmup ' + '+'.join(f'{x:.1f}' for x in kws) + ' s)' if kws else ''} |")
+            if plain.get("start_stages") or kw.get("start_stages"):
+                out.append(f"| start (s after launch, from the log) | {stages_text(plain.get('start_stages'))} | "
+                           f"{stages_text(kw.get('start_stages'))} |")
             fams = (kw.get("kwarm_report_summary") or {}).get("families") or []
             if fams:
                 ran = sorted((f for f in fams if f.get("status") == "ran"), key=lambda f: -(f.get("seconds") or 0))

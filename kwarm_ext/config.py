@@ -34,12 +34,12 @@ VARIABLES = {
                             "new was recorded); 0 saves at exit only. Default 60.",
     "KWARM_MANIFEST": "Path of the learn-and-replay manifest. Default: "
                       "$XDG_CACHE_HOME/kwarm/ (or ~/.cache/kwarm/), one file per model and versions.",
-    "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 8% of the "
-                    "time vLLM ran before kwarm's warmup, at least 1.5 s), `N` seconds, `N%` of that time "
-                    "(at least 1.5 s), or `unlimited`. Work that removes a compile, the token counts this "
+    "KWARM_BUDGET": "Start time optional warmup work may take per worker: `auto` (default: 2% of the "
+                    "time vLLM ran before kwarm's warmup, at least 1 s), `N` seconds, `N%` of that time "
+                    "(at least 1 s), or `unlimited`. Work that removes a compile, the token counts this "
                     "deployment stepped at and eager_gemm's kernel grid always run; the budget bounds its fill. "
                     "A family's time on a start where it compiled is given back (`auto`: up to 14% of that time; "
-                    "the fill keeps at least 1.5 s after the last of them).",
+                    "the fill keeps at least 1 s after the last of them).",
     "KWARM_COMPILE_PROCESSES": "Processes per worker that compile DeepGEMM's block-FP8 kernels on a cold "
                                "start: `auto` (default: one per core of the worker's share but one, at most "
                                "16) or N (1..1024, at most the worker's cores but one), for a host with more cores.",
@@ -171,7 +171,7 @@ class Settings:
     learn_interval: float = 60.0
     manifest: str | None = None
     allow_modules: tuple = ()  # extra prefixes from KWARM_ALLOW_MODULES
-    budget: tuple = ("percent", 8.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value); DEFAULT_BUDGET
+    budget: tuple = ("percent", 2.0)  # KWARM_BUDGET: (percent|seconds|unlimited, value); DEFAULT_BUDGET
     compile_processes: int | None = None  # KWARM_COMPILE_PROCESSES; None: auto
     replay_limit: float = 600.0  # KWARM_REPLAY_LIMIT: seconds for a whole replay (DEFAULT_REPLAY_LIMIT)
     problems: tuple = ()  # the warnings the parse produced, for doctor and tests
@@ -319,7 +319,7 @@ def _parse_replay_limit(raw, bad) -> float:
     return value
 
 
-DEFAULT_BUDGET = ("percent", 8.0)  # kwarm_ext/budget.py says why 8%
+DEFAULT_BUDGET = ("percent", 2.0)  # kwarm_ext/budget.py says why 2%
 MAX_BUDGET_S = 86400.0
 
 

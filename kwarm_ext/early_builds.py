@@ -204,6 +204,14 @@ def build(spec: str) -> str:
     return f"{jit_spec.name} ready in {time.perf_counter() - t0:.1f} s"
 
 
+def say(message: str) -> None:
+    """One line to stderr (the server's log) with vLLM's prefix, its time included: this process
+    has no vLLM logger, and a line without a time cannot be placed in the start."""
+    import time
+
+    print(f"INFO {time.strftime('%m-%d %H:%M:%S')} [kwarm early_builds.py] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     """The background process: ``--predict FACTS`` (:func:`start`'s payload) predicts the builds,
     says which, and builds them; a JSON list of builds builds those. One line each."""
@@ -212,8 +220,7 @@ def main(argv=None) -> int:
         payload = json.loads(argv[1])
         builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]])
         note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
-        print(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}",
-              file=sys.stderr, flush=True)
+        say(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}")
         items = [dataclasses.asdict(b) for b in builds]
     else:
         items = json.loads(argv[0])
@@ -224,7 +231,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001  (one module's failure: vLLM builds it itself later)
             failed += 1
             line = f"{item['name']} failed, vLLM builds it when it needs it: {type(exc).__name__}: {exc}"
-        print(f"kwarm: early FlashInfer build: {line}", file=sys.stderr, flush=True)
+        say(f"kwarm: early FlashInfer build: {line}")
     return 1 if failed else 0
 
 

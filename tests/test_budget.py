@@ -14,7 +14,7 @@ from kwarm_ext.manifest import Stamp
 
 
 @pytest.mark.parametrize("raw, parsed", [
-    (None, ("percent", 8.0)), ("auto", ("percent", 8.0)), ("", ("percent", 8.0)),
+    (None, ("percent", 2.0)), ("auto", ("percent", 2.0)), ("", ("percent", 2.0)),
     ("5", ("seconds", 5.0)), ("2.5s", ("seconds", 2.5)), ("0", ("seconds", 0.0)),
     ("25%", ("percent", 25.0)), ("unlimited", ("unlimited", None)),
 ])
@@ -27,13 +27,13 @@ def test_budget_values(raw, parsed):
 @pytest.mark.parametrize("raw", ["-1", "banana", "1e10", "2000%", "nan"])
 def test_a_bad_budget_is_one_warning_and_the_default(raw):
     settings = config.parse({"KWARM_BUDGET": raw}, known_families=("eager_gemm",))
-    assert settings.budget == ("percent", 8.0)
+    assert settings.budget == ("percent", 2.0)
     assert len(settings.problems) == 1 and "KWARM_BUDGET" in settings.problems[0]
 
 
 def test_seconds_of_a_budget():
     assert budget.seconds_for(("percent", 10.0), 100.0)[0] == pytest.approx(10.0)
-    assert budget.seconds_for(("percent", 10.0), 5.0)[0] == budget.FLOOR_S == 1.5, "at least 1.5 s"
+    assert budget.seconds_for(("percent", 10.0), 5.0)[0] == budget.FLOOR_S == 1.0, "at least 1 s"
     assert budget.seconds_for(("percent", 10.0), None)[0] == budget.FLOOR_S
     assert budget.seconds_for(("seconds", 0.5), 100.0) == (0.5, "0.5 s")
     assert budget.seconds_for(("unlimited", None), 100.0) == (None, "unlimited")
@@ -98,7 +98,7 @@ def test_a_family_that_compiled_gives_its_time_back(monkeypatch, kwarm_env):
         monkeypatch.setattr(budget, "process_age_s", lambda: 10.0)
         budget.begin(("percent", 8.0))
         assert budget.left() <= budget.FLOOR_S
-        clock.sleep(0.3)  # the limit (1.5 s from begin) is now 1.2 s away
+        clock.sleep(0.3)  # the limit (1.4 s from begin: 14% of 10 s) is now 1.1 s away
         budget._deadline -= 2.0  # a compiling family's 2 s, stood in for: the budget is spent
         assert budget.left() < 0
         budget.credit(2.3)

@@ -5,6 +5,7 @@ the background process reports."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -147,7 +148,7 @@ def test_the_background_process_builds_under_the_specs_lock_and_says_each_outcom
     items = [{"name": "sampling", "spec": f"{module.__name__}:good"}, {"name": "other", "spec": f"{module.__name__}:bad"}]
     assert early_builds.main([json.dumps(items)]) == 1
     assert calls == [(False, True)], "FlashInfer's own file lock: vLLM's call waits for this build"
-    err = capsys.readouterr().err.splitlines()
+    err = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()]  # vLLM's prefix, time included
     assert err[0].startswith("kwarm: early FlashInfer build: sampling ready in")
     assert err[1] == ("kwarm: early FlashInfer build: other failed, vLLM builds it when it needs it: "
                       "RuntimeError: nvcc not found")
@@ -163,7 +164,9 @@ def test_the_background_process_predicts_from_the_launch_facts_says_what_and_bui
     payload = json.dumps({"facts": facts, "capabilities": [[9, 0]]})
     assert early_builds.main(["--predict", payload]) == 0
     assert built == [early_builds.SAMPLING.spec]
-    err = capsys.readouterr().err.splitlines()
+    lines = capsys.readouterr().err.splitlines()
+    assert re.match(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[kwarm early_builds.py\] ", lines[0]), lines[0]
+    err = [line.split("] ", 1)[1] for line in lines]
     assert err[0] == ("kwarm: early FlashInfer builds: sampling (not: concat_mla: 64 heads per rank, nope/rope "
                       "128/64 (vLLM calls it at 128, 128/64))")
     assert err[1].startswith("kwarm: early FlashInfer build: flashinfer.jit.sampling:gen_sampling_module ready")

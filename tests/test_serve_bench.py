@@ -204,6 +204,39 @@ def test_backends_come_from_vllms_own_log_lines():
         "GPU KV cache size: 1,234,816 tokens, Maximum concurrency for 12,288 tokens per request: 100.49x"]
 
 
+def test_start_stages_place_each_milestone_after_launch_by_the_lines_own_time():
+    """Where a start's time went: the first line of each milestone, vLLM's, FlashInfer's (logging's
+    default format) and kwarm's background build line, at its own timestamp; lines without one and
+    later repeats do not move a stage."""
+    import datetime
+
+    launched = datetime.datetime(2026, 12, 5, 8, 0, 0).timestamp()
+    lines = [
+        "(APIServer pid=10) INFO 12-05 08:00:30 [kwarm early_builds.py:1] kwarm: starting the FlashInfer builds",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:00:40 [core.py:90] Initializing a V1 LLM engine (v0.33.0) with config: x",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:00:52 [gpu_model_runner.py:1] Model loading took 1.2 GiB memory and 3.1 seconds",
+        "2026-12-05 08:01:10,123 - INFO - core.py:594 - flashinfer.jit: Building JIT module sampling; this can take minutes",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:20 [monitor.py:1] torch.compile takes 20.1 s in total",
+        "Initializing a V1 LLM engine again, without a time",
+        "INFO 12-05 08:02:05 [kwarm early_builds.py] kwarm: early FlashInfer build: sampling ready in 84.0 s",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:02:30 [gpu_worker.py:1] Available KV cache memory: 4.0 GiB",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:02:31 [kv_cache_utils.py:1] GPU KV cache size: 1,234 tokens",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:02:40 [warmup.py:1] kwarm: warmup done in 9.0 s on rank 0",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:02:50 [gpu_model_runner.py:1] Graph capturing finished in 10 secs",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:02:51 [core.py:1] init engine (profile, create kv cache, warmup model) took 60 s",
+        "(APIServer pid=10) INFO 12-05 08:02:53 [kwarm warm_requests.py:1] kwarm: warm requests: 17 of 17 kinds ran",
+        "(APIServer pid=10) INFO 12-05 08:02:54 [api_server.py:1] Starting vLLM API server on http://127.0.0.1:8100",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:09:00 [core.py:90] Initializing a V1 LLM engine (v0.33.0) again",
+    ]
+    stages = serve_bench.start_stages(lines, launched)
+    assert stages == {"engine": 40, "weights loaded": 52, "sampling build started": 70, "torch.compile done": 80,
+                      "kwarm early sampling built": 125, "memory profiled": 150, "kv cache sized": 151,
+                      "kwarm warmup done": 160, "graphs captured": 170, "engine ready": 171,
+                      "kwarm warm requests done": 173, "api listening": 174}
+    assert serve_bench.stages_text(stages).startswith("engine 40, weights loaded 52, sampling build started 70,")
+    assert serve_bench.stages_text({}) == "—"
+
+
 def test_servers_never_get_a_backend_forcing_variable_and_each_has_its_own_caches(tmp_path):
     base = {"PATH": "/bin", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ATTENTION_BACKEND": "TRITON_ATTN",
             "KWARM_ENABLE": "1", "PYTHONPATH": "/staged/site"}
