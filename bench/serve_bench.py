@@ -332,7 +332,7 @@ def kv_cache_tokens(lines) -> int | None:
 START_STAGES = (
     ("engine", r"Initializing a V1 LLM engine"),
     ("weights loaded", r"Model loading took|Loading weights took"),
-    ("torch.compile done", r"torch\.compile takes[^\n]*in total"),
+    ("torch.compile done", r"torch\.compile (?:takes|took)[^\n]*in total"),
     ("memory profiled", r"Available KV cache memory"),
     ("kv cache sized", r"GPU KV cache size"),
     ("kwarm warmup done", r"kwarm: warmup done in"),

@@ -216,7 +216,7 @@ def test_start_stages_place_each_milestone_after_launch_by_the_lines_own_time():
         "(EngineCore_DP0 pid=11) INFO 12-05 08:00:40 [core.py:90] Initializing a V1 LLM engine (v0.33.0) with config: x",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:00:52 [gpu_model_runner.py:1] Model loading took 1.2 GiB memory and 3.1 seconds",
         "2026-12-05 08:01:10,123 - INFO - core.py:594 - flashinfer.jit: Building JIT module sampling; this can take minutes",
-        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:20 [monitor.py:1] torch.compile takes 20.1 s in total",
+        "(EngineCore_DP0 pid=11) INFO 12-05 08:01:20 [monitor.py:1] torch.compile took 20.10 s in total",
         "Initializing a V1 LLM engine again, without a time",
         "INFO 12-05 08:02:05 [kwarm early_builds.py] kwarm: early FlashInfer build: sampling ready in 84.0 s",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:02:30 [gpu_worker.py:1] Available KV cache memory: 4.0 GiB",
