@@ -342,6 +342,7 @@ START_STAGES = (
     ("api listening", r"Starting vLLM (?:API )?server on|Application startup complete"),
     ("sampling build started", r"Building JIT module sampling|Loading JIT ops: sampling"),
     ("sampling build done", r"Finished (?:building|loading) JIT (?:module|ops): sampling"),
+    ("kwarm early builds started", r"kwarm: early FlashInfer builds: "),
     ("kwarm early sampling built", r"kwarm: early FlashInfer build: sampling ready"),
 )
 _STAMP_RES = (re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR)\s+(\d\d-\d\d \d\d:\d\d:\d\d)\b"),  # vLLM's

@@ -53,6 +53,7 @@ def activate(source: str = "api") -> bool:
             share_with_ray_workers()
             _active = True
             _start_compile_parent(settings)
+            _start_early_builds(settings)
             logger.debug("kwarm activated from %s (KWARM_WARMUPS=%s)", source, settings.warmups.describe())
             return True
     except Exception as exc:
@@ -100,6 +101,22 @@ def _start_compile_parent(settings) -> None:
         from kwarm_ext.kernels.deep_gemm import processes
 
         processes.start_early()
+
+
+def _start_early_builds(settings) -> None:
+    """Where this process is ``vllm serve`` starting, start FlashInfer's sampling build in the
+    background now (``kwarm_ext/early_builds.py`` says why this early); it imports nothing heavy."""
+    if os.environ.get(config.EARLY_BUILDS_ENV) or not sys.argv or \
+            os.path.basename(sys.argv[0]) not in ("vllm", "main.py", "api_server.py"):  # early_builds.PROGRAMS
+        return  # an engine process (it inherits the mark), or not vLLM's server: nothing imported
+    if not settings.warmups.wants("flashinfer_jit"):
+        return
+    from kwarm_ext.log import fail_open
+
+    with fail_open("could not start FlashInfer's sampling build at launch, it starts with the engine config"):
+        from kwarm_ext import early_builds
+
+        early_builds.start_at_launch()
 
 
 def is_active() -> bool:

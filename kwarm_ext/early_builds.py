@@ -4,10 +4,14 @@ first calls them.
 Why: the FlashInfer wheel ``pip install vllm`` installs (0.7.2.post1 with vLLM 0.33.0) ships no
 compiled module; each is built with nvcc the first time it is called. vLLM's start-up sampler
 check builds the sampling module after its profile run: 107 s of a 289.5 s cold start of
-``vllm serve`` on an H100 (issue 60), serially, while the engine waits. The front end knows the
-configuration long before: here the builds start as soon as ``EngineArgs.create_engine_config``
-returns (``kwarm_ext/patches.py``), and run during the engine's imports, model load and
-torch.compile.
+``vllm serve`` on an H100 (issue 60), serially, while the engine waits. Here the builds start
+before vLLM needs them, and run during the engine's imports, model load and torch.compile:
+
+- the sampling build, which every generating model needs, as ``vllm serve`` starts (kwarm's
+  activation in its first process, :func:`start_at_launch`): started once the engine config was
+  made instead (66-72 s after launch, cold, H100), the engine still waited for it;
+- the builds a model's layers imply once ``EngineArgs.create_engine_config`` returns
+  (``kwarm_ext/patches.py``, :func:`start`), where the configuration is known.
 
 What (:func:`predict`), from vLLM's own selection logic, per release:
 
@@ -132,6 +136,8 @@ def _sampler_reason(facts, capabilities) -> str | None:
 
 
 def _concat_reason(facts) -> str | None:
+    if "use_mla" not in facts:  # the launch's facts: the engine config, made later, says
+        return "the model's layers are not known at launch (the engine config starts it)"
     if not facts["use_mla"]:
         return "no MLA attention"
     heads, dims = facts["heads_per_rank"], tuple(facts["nope_rope"])
@@ -164,33 +170,123 @@ def arch_list(capabilities) -> str:
     return " ".join(f"{major}.{minor}" for major, minor in sorted(set(capabilities)))
 
 
+PROGRAMS = ("vllm", "main.py", "api_server.py")  # sys.argv[0]'s base names of a serve launch
+LAUNCH = "launch"  # STARTED_ENV's value once the sampling build started at launch (config builds still to come)
+
+
+def serve_launch(argv) -> bool:
+    """Whether `argv` (``sys.argv``) is vLLM's OpenAI server starting: ``vllm serve ...`` (the
+    console script, or ``python -m vllm.entrypoints.cli.main serve``) or ``python -m
+    vllm.entrypoints.openai.api_server ...``, not asked for its help. ``activation`` reads the
+    same names (:data:`PROGRAMS`) before it imports this module."""
+    if not argv or any(a in ("-h", "--help") or a.startswith("--help=") for a in argv[1:]):
+        return False
+    program, path = os.path.basename(argv[0]), argv[0].replace(os.sep, "/")
+    if program == "vllm" or (program == "main.py" and "vllm/entrypoints/cli" in path):
+        return len(argv) > 1 and argv[1] == "serve"
+    return program == "api_server.py" and "vllm/entrypoints" in path
+
+
+def launch_runner(argv) -> str:
+    """The runner type `argv` asks for, as far as the command line says it (``--runner``, or a
+    pooling ``--convert``): ``generate`` unless it says otherwise."""
+    def value(flag):
+        for i, a in enumerate(argv):
+            if a == flag and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    runner, convert = value("--runner"), value("--convert")
+    if runner == "pooling" or (convert not in (None, "none", "auto")):
+        return "pooling"
+    return "generate"
+
+
+def start_at_launch(argv=None) -> subprocess.Popen | None:
+    """Start the sampling build the moment ``vllm serve`` starts (kwarm's activation in its first
+    process), before vLLM's imports and its engine config: None where it is not a serve launch,
+    FlashInfer is not installed or builds started already.
+
+    Why this early: with the build started once the engine config was made (66-72 s after launch on
+    an H100 host, cold, vLLM 0.33.0), the engine still waited for it: its sampler check came 11-40 s
+    later and the build takes about 80 s (BENCHMARKS.md, the start's milestones). The sampler is the
+    one build every generating model needs; the ones a model's layers imply wait for its config
+    (:func:`start`). The background process finds the GPUs' capabilities itself (NVML), so this
+    process imports nothing."""
+    argv = sys.argv if argv is None else argv
+    if os.environ.get(STARTED_ENV) or not serve_launch(argv):
+        return None
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    os.environ[STARTED_ENV] = LAUNCH  # the engine's processes inherit it; start() adds the config's builds
+    payload = {"facts": {"runner_type": launch_runner(argv)}, "capabilities": None,
+               "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "only": [SAMPLING.name]}
+    proc = _spawn(payload, dict(os.environ))
+    logger.info("kwarm: starting FlashInfer's sampling build in the background at launch (pid %d)", proc.pid)
+    return proc
+
+
 def start(vllm_config) -> subprocess.Popen | None:
     """Start the background process that predicts the builds and runs them (once per process
     tree); None where no GPU is visible, FlashInfer is not installed or they started already.
+    Where :func:`start_at_launch` started the sampling build, only the builds the config's layers
+    imply are left (``concat_mla``), and a process starts only where one is predicted.
 
     The prediction runs there, not here: it imports vLLM's sampler, its FlashInfer attention
     backend and FlashInfer itself (about 5 s on an H100 host, measured: the API server would start
     the engine's process that much later, cold or warm)."""
-    if os.environ.get(STARTED_ENV):
+    started = os.environ.get(STARTED_ENV)
+    if started and started != LAUNCH:
         return None
     if importlib.util.find_spec("flashinfer") is None:
         return None
+    facts = config_facts(vllm_config)
+    if started == LAUNCH and _concat_reason(facts) is not None:
+        os.environ[STARTED_ENV] = "1"
+        return None  # the sampling build is running; the config implies no other
     capabilities = visible_capabilities()
     os.environ[STARTED_ENV] = "1"  # the engine's processes inherit it
     if not capabilities:
         logger.debug("kwarm: no FlashInfer build to start early: no NVIDIA GPU visible")
         return None
-    # no CUDA device; kwarm off there: its imports of vLLM must not activate kwarm (deep_gemm's
-    # compile processes would start a second time)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", KWARM_ENABLE="0")
+    env = dict(os.environ)
     env.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
-    payload = {"facts": config_facts(vllm_config), "capabilities": [list(c) for c in capabilities]}
-    proc = subprocess.Popen([sys.executable, "-m", "kwarm_ext.early_builds", PREDICT_FLAG, json.dumps(payload)],
-                            env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=lambda: os.nice(10))
+    payload = {"facts": facts, "capabilities": [list(c) for c in capabilities]}
+    if started == LAUNCH:
+        payload["skip"] = [SAMPLING.name]
+    proc = _spawn(payload, env)
     logger.info("kwarm: starting the FlashInfer builds this configuration implies in the background from "
                 "launch (pid %d, archs %s)", proc.pid, env["FLASHINFER_CUDA_ARCH_LIST"])
     return proc
+
+
+def _spawn(payload: dict, env: dict) -> subprocess.Popen:
+    """The background process: its own session, nice 10, no CUDA device (a CUDA context's memory
+    would count in vLLM's memory profiling) and kwarm off there (its imports of vLLM must not
+    activate kwarm: deep_gemm's compile processes would start a second time)."""
+    env = dict(env, CUDA_VISIBLE_DEVICES="", KWARM_ENABLE="0")
+    return subprocess.Popen([sys.executable, "-m", "kwarm_ext.early_builds", PREDICT_FLAG, json.dumps(payload)],
+                            env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: os.nice(10))
+
+
+def capabilities_of(visible: str | None) -> list:
+    """:func:`visible_capabilities` as a process with ``CUDA_VISIBLE_DEVICES`` = `visible` (None:
+    unset) sees them, read in this process (whose own variable is empty): NVML, no CUDA context."""
+    own = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        return visible_capabilities()
+    finally:
+        if own is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = own
 
 
 def build(spec: str) -> str:
@@ -218,7 +314,17 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == PREDICT_FLAG:
         payload = json.loads(argv[1])
-        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]])
+        capabilities = payload.get("capabilities")
+        if capabilities is None:  # started at launch: this process reads the GPUs (NVML)
+            capabilities = capabilities_of(payload.get("visible"))
+            if capabilities:
+                os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
+        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in capabilities])
+        if payload.get("only") is not None:
+            builds = [b for b in builds if b.name in payload["only"]]
+        if payload.get("skip"):
+            builds = [b for b in builds if b.name not in payload["skip"]]
+            not_predicted = [*not_predicted, *(f"{name}: started at launch" for name in payload["skip"])]
         note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
         say(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}")
         items = [dataclasses.asdict(b) for b in builds]

@@ -173,3 +173,112 @@ def test_the_background_process_predicts_from_the_launch_facts_says_what_and_bui
     facts["heads_per_rank"] = 128
     assert early_builds.main(["--predict", json.dumps({"facts": facts, "capabilities": [[9, 0]]})]) == 0
     assert built[1:] == [early_builds.SAMPLING.spec, early_builds.CONCAT_MLA.spec]
+
+
+class _Popen:
+    """subprocess.Popen's stand-in: records what would have started."""
+
+    started: list = []
+
+    def __init__(self, argv, env, **kwargs):
+        self.started.append((argv, env, kwargs))
+        self.pid = 4243
+
+
+def _dsv32(tp=1):
+    hf = types.SimpleNamespace(num_attention_heads=128, qk_nope_head_dim=128, qk_rope_head_dim=64)
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=True, hf_text_config=hf, runner_type="generate"),
+                                 parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
+
+
+def test_vllm_serve_starts_the_sampling_build_at_launch_and_the_config_adds_only_what_its_layers_imply(monkeypatch):
+    """As `vllm serve` starts (before vLLM's imports and engine config) one background process gets
+    the sampling build, reading the GPUs itself; once the config is made, a second process starts only
+    for a build the model's layers imply (concat_mla), told that sampling started already; a model
+    without one starts nothing more. Help, other commands and the engine's processes start nothing."""
+    monkeypatch.delenv(early_builds.STARTED_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(early_builds.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [(9, 0)])
+    monkeypatch.setattr(early_builds.subprocess, "Popen", _Popen)
+    _Popen.started = []
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m", "--help"]) is None
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "bench", "serve"]) is None
+    assert _Popen.started == [] and early_builds.STARTED_ENV not in early_builds.os.environ
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m", "--runner", "pooling"]).pid == 4243
+    (argv, env, _), = _Popen.started
+    assert json.loads(argv[4]) == {"facts": {"runner_type": "pooling"}, "capabilities": None, "visible": "3",
+                                   "only": ["sampling"]}
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["KWARM_ENABLE"] == "0"
+    assert early_builds.os.environ[early_builds.STARTED_ENV] == early_builds.LAUNCH
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m"]) is None, "once per process tree"
+
+    # the engine config of a model without concat_mla: nothing more starts
+    plain = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=False, hf_text_config=None,
+                                                                      runner_type="generate"))
+    assert early_builds.start(plain) is None and len(_Popen.started) == 1
+    assert early_builds.start(_dsv32()) is None, "done: the engine's processes start nothing"
+    # DeepSeek-V3.2: concat_mla, sampling skipped
+    monkeypatch.setenv(early_builds.STARTED_ENV, early_builds.LAUNCH)
+    assert early_builds.start(_dsv32()).pid == 4243
+    payload = json.loads(_Popen.started[-1][0][4])
+    assert payload["skip"] == ["sampling"] and payload["capabilities"] == [[9, 0]]
+
+
+def test_the_launch_process_reads_the_servers_gpus_and_builds_the_sampler_alone(monkeypatch, capsys):
+    """Started at launch, the background process reads the capabilities of the GPUs the server sees
+    (its own CUDA_VISIBLE_DEVICES is empty: no CUDA context), sets FlashInfer's arch list from them,
+    builds only the sampler and says that the model's builds wait for its config."""
+    seen, built = [], []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(early_builds, "visible_capabilities",
+                        lambda: seen.append(early_builds.os.environ.get("CUDA_VISIBLE_DEVICES")) or [(9, 0)])
+    monkeypatch.setattr(early_builds, "_sampler_reason", lambda facts, caps: None)
+    monkeypatch.setattr(early_builds, "build", lambda spec: built.append(spec) or f"{spec} ready in 0.0 s")
+    payload = {"facts": {"runner_type": "generate"}, "capabilities": None, "visible": "2,3", "only": ["sampling"]}
+    assert early_builds.main(["--predict", json.dumps(payload)]) == 0
+    assert seen == ["2,3"] and early_builds.os.environ["CUDA_VISIBLE_DEVICES"] == "", "read as the server sees them"
+    assert early_builds.os.environ["FLASHINFER_CUDA_ARCH_LIST"] == "9.0"
+    assert built == [early_builds.SAMPLING.spec]
+    first = capsys.readouterr().err.splitlines()[0].split("] ", 1)[1]
+    assert first.startswith("kwarm: early FlashInfer builds: sampling (not: concat_mla: the model's layers are not known")
+    # unset in the server: unset while reading
+    payload["visible"] = None
+    early_builds.main(["--predict", json.dumps(payload)])
+    assert seen[-1] is None and early_builds.os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_activation_starts_the_launch_build_only_in_vllms_server_process(monkeypatch):
+    from kwarm_ext import activation, config
+
+    calls = []
+    monkeypatch.setattr(early_builds, "start_at_launch", lambda: calls.append(list(activation.sys.argv)))
+    monkeypatch.delenv(early_builds.STARTED_ENV, raising=False)
+    settings = config.parse({}, known_families=("flashinfer_jit",))
+    for argv in (["/venv/bin/python", "-c", "pass"], ["/venv/bin/vllm", "serve", "m"]):
+        monkeypatch.setattr(activation.sys, "argv", argv)
+        activation._start_early_builds(settings)
+    assert calls == [["/venv/bin/vllm", "serve", "m"]]
+    monkeypatch.setenv(early_builds.STARTED_ENV, "1")  # an engine process: inherited
+    activation._start_early_builds(settings)
+    assert len(calls) == 1
+    monkeypatch.delenv(early_builds.STARTED_ENV)
+    activation._start_early_builds(config.parse({"KWARM_WARMUPS": "-flashinfer_jit"}, known_families=("flashinfer_jit",)))
+    assert len(calls) == 1, "KWARM_WARMUPS=-flashinfer_jit: nothing"
+
+
+def test_serve_launches_are_vllms_server_commands_only():
+    from kwarm_ext import activation
+
+    yes = (["/v/bin/vllm", "serve", "m"], ["/v/lib/vllm/entrypoints/cli/main.py", "serve", "m"],
+           ["/v/lib/vllm/entrypoints/openai/api_server.py", "--model", "m"])
+    no = (["/v/bin/vllm", "serve", "m", "-h"], ["/v/bin/vllm", "chat"], ["/v/app/main.py", "serve"],
+          ["/v/bin/python", "-c", "pass"], [])
+    assert [early_builds.serve_launch(a) for a in yes] == [True] * 3
+    assert [early_builds.serve_launch(a) for a in no] == [False] * 5
+    assert early_builds.launch_runner(["vllm", "serve", "m", "--convert=embed"]) == "pooling"
+    assert early_builds.launch_runner(["vllm", "serve", "m", "--convert", "none"]) == "generate"
+    assert early_builds.PROGRAMS == ("vllm", "main.py", "api_server.py")
+    names = "(" + ", ".join(f'"{n}"' for n in early_builds.PROGRAMS) + ")"
+    assert names in open(activation.__file__).read(), "activation reads the same names before importing early_builds"

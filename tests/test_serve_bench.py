@@ -213,6 +213,7 @@ def test_start_stages_place_each_milestone_after_launch_by_the_lines_own_time():
     launched = datetime.datetime(2026, 12, 5, 8, 0, 0).timestamp()
     lines = [
         "(APIServer pid=10) INFO 12-05 08:00:30 [kwarm early_builds.py:1] kwarm: starting the FlashInfer builds",
+        "INFO 12-05 08:00:02 [kwarm early_builds.py] kwarm: early FlashInfer builds: sampling (not: concat_mla: x)",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:00:40 [core.py:90] Initializing a V1 LLM engine (v0.33.0) with config: x",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:00:52 [gpu_model_runner.py:1] Model loading took 1.2 GiB memory and 3.1 seconds",
         "2026-12-05 08:01:10,123 - INFO - core.py:594 - flashinfer.jit: Building JIT module sampling; this can take minutes",
@@ -229,11 +230,11 @@ def test_start_stages_place_each_milestone_after_launch_by_the_lines_own_time():
         "(EngineCore_DP0 pid=11) INFO 12-05 08:09:00 [core.py:90] Initializing a V1 LLM engine (v0.33.0) again",
     ]
     stages = serve_bench.start_stages(lines, launched)
-    assert stages == {"engine": 40, "weights loaded": 52, "sampling build started": 70, "torch.compile done": 80,
+    assert stages == {"kwarm early builds started": 2, "engine": 40, "weights loaded": 52, "sampling build started": 70, "torch.compile done": 80,
                       "kwarm early sampling built": 125, "memory profiled": 150, "kv cache sized": 151,
                       "kwarm warmup done": 160, "graphs captured": 170, "engine ready": 171,
                       "kwarm warm requests done": 173, "api listening": 174}
-    assert serve_bench.stages_text(stages).startswith("engine 40, weights loaded 52, sampling build started 70,")
+    assert serve_bench.stages_text(stages).startswith("kwarm early builds started 2, engine 40, weights loaded 52, sampling build started 70,")
     assert serve_bench.stages_text({}) == "—"
 
 
