@@ -214,15 +214,20 @@ def start_at_launch(argv=None) -> subprocess.Popen | None:
     later and the build takes about 80 s (BENCHMARKS.md, the start's milestones). The sampler is the
     one build every generating model needs; the ones a model's layers imply wait for its config
     (:func:`start`). The background process finds the GPUs' capabilities itself (NVML), so this
-    process imports nothing."""
+    process imports nothing; it starts the build at once and checks it against vLLM's selection
+    logic while it runs (:func:`launch_main`). Not started where the command line asks for a
+    pooling runner or ``VLLM_USE_FLASHINFER_SAMPLER=0``: then the engine config's prediction decides."""
     argv = sys.argv if argv is None else argv
     if os.environ.get(STARTED_ENV) or not serve_launch(argv):
         return None
+    if launch_runner(argv) != "generate" or os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "").strip().lower() in (
+            "0", "false"):
+        return None  # no sampler, or not FlashInfer's: the engine config's prediction decides
     if importlib.util.find_spec("flashinfer") is None:
         return None
     os.environ[STARTED_ENV] = LAUNCH  # the engine's processes inherit it; start() adds the config's builds
     payload = {"facts": {"runner_type": launch_runner(argv)}, "capabilities": None,
-               "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "only": [SAMPLING.name]}
+               "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
     proc = _spawn(payload, dict(os.environ))
     logger.info("kwarm: starting FlashInfer's sampling build in the background at launch (pid %d)", proc.pid)
     return proc
@@ -310,18 +315,14 @@ def say(message: str) -> None:
 
 def main(argv=None) -> int:
     """The background process: ``--predict FACTS`` (:func:`start`'s payload) predicts the builds,
-    says which, and builds them; a JSON list of builds builds those. One line each."""
+    says which, and builds them; a JSON list of builds builds those. One line each. Started at
+    launch (no capabilities in the payload): :func:`launch_main`."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == PREDICT_FLAG:
         payload = json.loads(argv[1])
-        capabilities = payload.get("capabilities")
-        if capabilities is None:  # started at launch: this process reads the GPUs (NVML)
-            capabilities = capabilities_of(payload.get("visible"))
-            if capabilities:
-                os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
-        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in capabilities])
-        if payload.get("only") is not None:
-            builds = [b for b in builds if b.name in payload["only"]]
+        if payload.get("capabilities") is None:
+            return launch_main(payload)
+        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]])
         if payload.get("skip"):
             builds = [b for b in builds if b.name not in payload["skip"]]
             not_predicted = [*not_predicted, *(f"{name}: started at launch" for name in payload["skip"])]
@@ -330,15 +331,50 @@ def main(argv=None) -> int:
         items = [dataclasses.asdict(b) for b in builds]
     else:
         items = json.loads(argv[0])
-    failed = 0
-    for item in items:
-        try:
-            line = build(item["spec"])
-        except Exception as exc:  # noqa: BLE001  (one module's failure: vLLM builds it itself later)
-            failed += 1
-            line = f"{item['name']} failed, vLLM builds it when it needs it: {type(exc).__name__}: {exc}"
+    lines = [build_line(item) for item in items]
+    for line in lines:
         say(f"kwarm: early FlashInfer build: {line}")
-    return 1 if failed else 0
+    return 1 if any(" failed, " in line for line in lines) else 0
+
+
+def build_line(item: dict) -> str:
+    """:func:`build` of one ``{"name", "spec"}``, as its line; a failure is the line, never raised."""
+    try:
+        return build(item["spec"])
+    except Exception as exc:  # noqa: BLE001  (one module's failure: vLLM builds it itself later)
+        return f"{item['name']} failed, vLLM builds it when it needs it: {type(exc).__name__}: {exc}"
+
+
+def launch_main(payload: dict) -> int:
+    """Started at launch: read the server's GPUs (NVML), start the sampling build at once, and
+    check it against vLLM's own selection logic (:func:`predict`) while it builds.
+
+    Why in that order: vLLM's sampler and FlashInfer attention backend, which the check imports,
+    took most of the 22 s between this process's start and its build's (DeepSeek-V3.2 dimensions,
+    H100, cold), and the engine asked for the module 10 s after that. Where the check says vLLM
+    will not call it (a GPU FlashInfer's sampler does not support, a vLLM without the check) the
+    line says so: the build then cost background CPU only."""
+    import threading
+
+    capabilities = capabilities_of(payload.get("visible"))
+    if not capabilities:
+        say("kwarm: early FlashInfer builds: none (not: sampling: no NVIDIA GPU visible)")
+        return 0
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
+    done: dict = {}
+    builder = threading.Thread(target=lambda: done.update(line=build_line(dataclasses.asdict(SAMPLING))),
+                               name="kwarm-early-sampling")
+    builder.start()
+    builds, not_predicted = predict(payload["facts"], capabilities)
+    if any(b.name == SAMPLING.name for b in builds):
+        say("kwarm: early FlashInfer builds: sampling, started at launch; vLLM's sampler check calls it here")
+    else:
+        why = next((w.split(": ", 1)[1] for w in not_predicted if w.startswith(f"{SAMPLING.name}: ")), "?")
+        say(f"kwarm: early FlashInfer builds: sampling, started at launch, though vLLM will not call it here "
+            f"({why}): background CPU only")
+    builder.join()
+    say(f"kwarm: early FlashInfer build: {done.get('line', 'sampling: no result')}")
+    return 1 if " failed, " in done.get("line", " failed, ") else 0
 
 
 if __name__ == "__main__":

@@ -205,10 +205,14 @@ def test_vllm_serve_starts_the_sampling_build_at_launch_and_the_config_adds_only
     assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m", "--help"]) is None
     assert early_builds.start_at_launch(["/venv/bin/vllm", "bench", "serve"]) is None
     assert _Popen.started == [] and early_builds.STARTED_ENV not in early_builds.os.environ
-    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m", "--runner", "pooling"]).pid == 4243
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m", "--runner", "pooling"]) is None
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m"]) is None
+    assert _Popen.started == [] and early_builds.STARTED_ENV not in early_builds.os.environ
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER")
+    assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m"]).pid == 4243
     (argv, env, _), = _Popen.started
-    assert json.loads(argv[4]) == {"facts": {"runner_type": "pooling"}, "capabilities": None, "visible": "3",
-                                   "only": ["sampling"]}
+    assert json.loads(argv[4]) == {"facts": {"runner_type": "generate"}, "capabilities": None, "visible": "3"}
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["KWARM_ENABLE"] == "0"
     assert early_builds.os.environ[early_builds.STARTED_ENV] == early_builds.LAUNCH
     assert early_builds.start_at_launch(["/venv/bin/vllm", "serve", "m"]) is None, "once per process tree"
@@ -225,28 +229,52 @@ def test_vllm_serve_starts_the_sampling_build_at_launch_and_the_config_adds_only
     assert payload["skip"] == ["sampling"] and payload["capabilities"] == [[9, 0]]
 
 
-def test_the_launch_process_reads_the_servers_gpus_and_builds_the_sampler_alone(monkeypatch, capsys):
+def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_and_checks_it(monkeypatch, capsys):
     """Started at launch, the background process reads the capabilities of the GPUs the server sees
     (its own CUDA_VISIBLE_DEVICES is empty: no CUDA context), sets FlashInfer's arch list from them,
-    builds only the sampler and says that the model's builds wait for its config."""
-    seen, built = [], []
+    starts the sampling build before vLLM's selection logic is imported, and says what that logic
+    makes of it; the model's builds wait for its config."""
+    seen, events = [], []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(early_builds, "visible_capabilities",
                         lambda: seen.append(early_builds.os.environ.get("CUDA_VISIBLE_DEVICES")) or [(9, 0)])
-    monkeypatch.setattr(early_builds, "_sampler_reason", lambda facts, caps: None)
-    monkeypatch.setattr(early_builds, "build", lambda spec: built.append(spec) or f"{spec} ready in 0.0 s")
-    payload = {"facts": {"runner_type": "generate"}, "capabilities": None, "visible": "2,3", "only": ["sampling"]}
+    started = __import__("threading").Event()
+
+    def build(spec):
+        events.append(("build", spec))
+        started.set()
+        return "sampling ready in 0.0 s"
+
+    def sampler_reason(facts, caps):
+        assert started.wait(10), "the build starts before vLLM's selection logic is asked"
+        events.append(("predict", facts["runner_type"]))
+        return verdict
+
+    monkeypatch.setattr(early_builds, "build", build)
+    monkeypatch.setattr(early_builds, "_sampler_reason", sampler_reason)
+    verdict = None
+    payload = {"facts": {"runner_type": "generate"}, "capabilities": None, "visible": "2,3"}
     assert early_builds.main(["--predict", json.dumps(payload)]) == 0
     assert seen == ["2,3"] and early_builds.os.environ["CUDA_VISIBLE_DEVICES"] == "", "read as the server sees them"
     assert early_builds.os.environ["FLASHINFER_CUDA_ARCH_LIST"] == "9.0"
-    assert built == [early_builds.SAMPLING.spec]
-    first = capsys.readouterr().err.splitlines()[0].split("] ", 1)[1]
-    assert first.startswith("kwarm: early FlashInfer builds: sampling (not: concat_mla: the model's layers are not known")
-    # unset in the server: unset while reading
+    assert events == [("build", early_builds.SAMPLING.spec), ("predict", "generate")]
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines == ["kwarm: early FlashInfer builds: sampling, started at launch; vLLM's sampler check calls it here",
+                     "kwarm: early FlashInfer build: sampling ready in 0.0 s"]
+    # vLLM's logic disagrees: the line says so (the build is background CPU only); unset in the server: unset
+    verdict = "compute capability 7.0 unsupported"
     payload["visible"] = None
+    started.clear()
     early_builds.main(["--predict", json.dumps(payload)])
     assert seen[-1] is None and early_builds.os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert capsys.readouterr().err.splitlines()[0].split("] ", 1)[1] == (
+        "kwarm: early FlashInfer builds: sampling, started at launch, though vLLM will not call it here "
+        "(compute capability 7.0 unsupported): background CPU only")
+    # no GPU: nothing built
+    monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [])
+    assert early_builds.main(["--predict", json.dumps(payload)]) == 0
+    assert capsys.readouterr().err.split("] ", 1)[1].strip() == "kwarm: early FlashInfer builds: none (not: sampling: no NVIDIA GPU visible)"
 
 
 def test_activation_starts_the_launch_build_only_in_vllms_server_process(monkeypatch):
