@@ -107,14 +107,27 @@ def default_memory(model: str) -> dict:
     return load(SERVE_092 / f"{model}.serve.json")
 
 
-def over_bar(model: str) -> list[tuple[str, float, float]]:
-    """kwarm's request kinds whose first (cold) is over 1.1x its repeat and more than 10 ms over it."""
+def over_bar(model: str, phase: int = 0) -> list[tuple[str, float, float]]:
+    """kwarm's request kinds whose first is over 1.1x its repeat and more than 10 ms over it, in
+    `phase` (0 cold, 1 the warm restart)."""
     out = []
-    for kind in dict.fromkeys(r["kind"] for r in server(model, "kwarm")["requests"]):
-        first, repeat = req_s(model, "kwarm", kind), req_s(model, "kwarm", kind, "repeat")
+    requests = phase_server(model, phase, "kwarm")["requests"]
+
+    def t(kind, occurrence):
+        for r in requests:
+            if r["kind"] == kind and r["occurrence"] == occurrence and not r.get("error"):
+                return r["ttft_s"] if r.get("ttft_s") is not None else r["s"]
+        return None
+
+    for kind in dict.fromkeys(r["kind"] for r in requests):
+        first, repeat = t(kind, "first"), t(kind, "repeat")
         if first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
             out.append((kind, first, repeat))
     return out
+
+
+def stage(model: str, name: str, what: str, phase: int = 0) -> float | None:
+    return (phase_server(model, phase, name).get("start_stages") or {}).get(what)
 
 
 def serving_claims(headline: bool = True) -> list[str]:
@@ -162,8 +175,7 @@ def benchmarks_claims() -> list[str]:
     both = (QWEN, DSV)
     ready = [server(m, n)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")]
     over = {m: over_bar(m) for m in both}
-    dsv_big = default_memory(BIG_DSV)["phases"][0]["servers"]["kwarm"]
-    gap = lambda xs: " and ".join(f"{ms(a)} against {ms(b)} ms" for _, a, b in xs)  # noqa: E731
+    dsv_big = default_memory(BIG_DSV)["phases"][0]["servers"]
     return serving_claims(headline=False) + [
         f"{span([triton_in_requests(m, 'plain') for m in both], str)} for `vllm serve`, "
         f"{sum(triton_in_requests(m, 'kwarm') for m in both)} with kwarm on both models",
@@ -175,19 +187,38 @@ def benchmarks_claims() -> list[str]:
         f"against {ms(f(DSV, 'kwarm', 'prompt-logprobs'))}/{ms(f(QWEN, 'kwarm', 'prompt-logprobs'))} ms",
         f"the first JSON-schema request {ms(f(QWEN, 'plain', 'json-schema'))} and {ms(f(DSV, 'plain', 'json-schema'))} ms "
         f"without kwarm, {ms(f(QWEN, 'kwarm', 'json-schema'))} and {ms(f(DSV, 'kwarm', 'json-schema'))} ms with it",
-        f"Qwen3-Next's {over[QWEN][0][0]} and {over[QWEN][1][0]} ({gap(over[QWEN])}) and DeepSeek-V3.2's "
-        f"{over[DSV][0][0]} ({gap(over[DSV])})",
+        over_text(over),
+        f"{over_text({m: over_bar(m, 1) for m in both})} on the warm restart",
         f"after {span(ready, lambda x: f'{x:.0f}')} s cold starts",
+        "the early sampling build finished at "
+        f"{stage(QWEN, 'kwarm', 'kwarm early sampling built'):.0f} and {stage(DSV, 'kwarm', 'kwarm early sampling built'):.0f} s "
+        f"after launch and the KV cache was sized at {stage(QWEN, 'kwarm', 'kv cache sized'):.0f} and "
+        f"{stage(DSV, 'kwarm', 'kv cache sized'):.0f} s (Qwen3-Next/DeepSeek-V3.2): the engine waited for it",
+        f"started {span([stage(m, 'kwarm', 'sampling build started') for m in both], lambda x: f'{x:.0f}')} s after launch",
+        f"sized its KV cache at {stage(QWEN, 'plain', 'kv cache sized'):.0f} and {stage(DSV, 'plain', 'kv cache sized'):.0f} s",
+        f"kwarm's warmup took {s1(phase_server(QWEN, 1, 'kwarm')['kwarm_warmup_s'][0])} and "
+        f"{s1(phase_server(DSV, 1, 'kwarm')['kwarm_warmup_s'][0])} s",
         f"plain `vllm serve` compiled {big_triton('plain')} Triton "
         f"kernels in requests, kwarm {big_triton('kwarm')}",
-        f"DeepSeek-V3.2's dimensions at 0.92 (kwarm alone: the device time did not hold its plain server): ready in "
-        f"{dsv_big['launch_to_ready_s']:.1f} s, {dsv_big['kv_cache_tokens']:,} tokens of KV cache, "
-        f"{sum((r.get('lazy') or {}).get('counts', {}).get('triton', 0) for r in dsv_big['requests'])} compiles in requests",
+        f"DeepSeek-V3.2's dimensions at 0.92: ready in {dsv_big['kwarm']['launch_to_ready_s']:.1f} s against "
+        f"{dsv_big['plain']['launch_to_ready_s']:.1f} s ({pct(dsv_big['kwarm']['launch_to_ready_s'], dsv_big['plain']['launch_to_ready_s'])}), "
+        f"the same {dsv_big['kwarm']['kv_cache_tokens']:,} tokens of KV cache, peak GPU memory "
+        f"{dsv_big['kwarm']['peak_gpu_mib']} against {dsv_big['plain']['peak_gpu_mib']} MiB; "
+        f"{big_triton('plain', BIG_DSV)} compiles in requests without kwarm, {big_triton('kwarm', BIG_DSV)} with it",
     ]
 
 
-def big_triton(name: str) -> int:
-    s = default_memory(BIG)["phases"][0]["servers"][name]
+def over_text(over: dict) -> str:
+    """The kinds over the 1.1x / 10 ms bar per model, or that none is."""
+    if not any(over.values()):
+        return "every kind's first within 1.1x or 10 ms of its repeat on both models"
+    names = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
+    return "; ".join(f"{names[m]}'s " + " and ".join(f"{k} ({ms(a)} against {ms(b)} ms)" for k, a, b in xs)
+                     for m, xs in over.items() if xs)
+
+
+def big_triton(name: str, model: str = BIG) -> int:
+    s = default_memory(model)["phases"][0]["servers"][name]
     return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0) for r in s["requests"])
 
 

@@ -162,6 +162,33 @@ def room() -> int | None:
     return max(0, _state["base_allocated"] + _state["headroom"] - torch.cuda.memory_allocated())
 
 
+# One more process's CUDA context on the device: 612 MiB measured per DeepGEMM compile process
+# (nvidia-smi, H100, CUDA 13, torch 2.14, vLLM 0.33.0 at DeepSeek-V3.2 dimensions), rounded up.
+CUDA_CONTEXT_BYTES = 640 << 20
+
+
+def processes_that_fit(wanted: int) -> tuple[int, str | None]:
+    """How many of `wanted` helper processes, each with a CUDA context of its own, fit kwarm's
+    bound beside what torch holds; (count, why fewer, or None).
+
+    Why: their contexts are outside torch's caching allocator, so its cap does not stop them. At
+    DeepSeek-V3.2's dimensions and ``--gpu-memory-utilization 0.92`` (H100, vLLM 0.33.0) the
+    dsa_indexer's 15 compile processes took 612 MiB each beside torch's 67.8 GiB reserved: the
+    device reached 79505 MiB, 1.8 GB above vLLM alone's serving peak. torch's cached, unused
+    blocks are returned first; one context's worth is kept for the calling step's own tensors."""
+    torch = _cuda()
+    if torch is None or not _state:
+        return wanted, None
+    release(torch, collect=False)
+    held = torch.cuda.memory_reserved()
+    left = max(0, _state["cap_reserved"] - held)
+    fit = max(0, left // CUDA_CONTEXT_BYTES - 1)
+    if fit >= wanted:
+        return wanted, None
+    return fit, (f"{fit} of {wanted} compile processes fit kwarm's memory bound ({gib(left)} left beside "
+                 f"torch's {gib(held)} reserved, {CUDA_CONTEXT_BYTES >> 20} MiB a process)")
+
+
 def fits(need: int, what: str) -> str | None:
     """None when `need` bytes fit :func:`room`, else the one-line reason to skip `what`."""
     left = room()

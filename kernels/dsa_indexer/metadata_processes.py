@@ -19,6 +19,7 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
 
     import torch
 
+    from kwarm_ext import memory
     from kwarm_ext.log import fail_open
 
     device = _device(view)
@@ -27,7 +28,9 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
         from kwarm_ext.kernels.deep_gemm import compile_processes
         from kwarm_ext.kernels.deep_gemm import processes
 
-        children = min(len(described), compile_processes(view.tp_size))
+        children, short = memory.processes_that_fit(min(len(described), compile_processes(view.tp_size)))
+        if children < 1:
+            return warm(view, calls) + [f"compiled here, one at a time: {short}"]
         with fail_open("dsa_indexer: the metadata compile processes failed; compiling here, one at a time") as outcome:
             t0 = time.perf_counter()
             parent = processes.take_metadata_parent()  # started as the model loaded (deep_gemm.before_load)
@@ -45,7 +48,7 @@ def warm_metadata(view, calls: list, described: list, warm) -> list:
                 note = [f"first class loaded in {probe_s:.2f} s: DeepGEMM's cache holds them, no compile processes"]
             else:
                 outcomes = processes.finish_children(started)
-                note = [f"{len(described)} classes on {children} compile processes "
+                note = [f"{len(described)} classes on {children} compile processes{' (' + short + ')' if short else ''} "
                         f"({'parent started with the model load' if parent else 'parent started now'}): "
                         f"{sum(o['compiles'] for o in outcomes)} compiled, ready in "
                         f"{max(o['ready'] for o in outcomes):.1f} s, done in {time.perf_counter() - t0:.1f} s"]
