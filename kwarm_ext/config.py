@@ -93,15 +93,17 @@ def configure_logging(level: str = "INFO", env: Mapping[str, str] | None = None)
     - otherwise, as vLLM's default: one stream handler in vLLM's line format
       (``VLLM_LOGGING_PREFIX``, then ``LEVEL mm-dd HH:MM:SS [kwarm file.py:line] message``),
       on ``VLLM_LOGGING_STREAM`` (stdout unless ``ext://sys.stderr``), and `level`
-      (``KWARM_LOG_LEVEL``). It writes a record only while the root logger has no handler:
-      where the application (or pytest) put handlers on the root, the propagated record is
-      theirs, so no line is printed twice. In a vLLM process the root has none (vLLM
-      configures ``vllm`` only), so the lines look as they always did.
+      (``KWARM_LOG_LEVEL``). It writes a record only while the root logger has no handler of
+      the application's: where the application (or pytest) put handlers on the root, the
+      propagated record is theirs, so no line is printed twice. In a vLLM process the root has
+      none (vLLM configures ``vllm`` only), or only what a library's bare ``logging.basicConfig()``
+      made: those do not get kwarm's records (:func:`_past_default_root`), as they do not get vLLM's.
     """
     env = os.environ if env is None else env
     owner = logging_owner(env)
     for handler in [h for h in logger.handlers if getattr(h, "_kwarm", False)]:
         logger.removeHandler(handler)  # a later call with another environment starts over
+    logger.removeFilter(_past_default_root)
     if owner == "kwarm":
         stream = getattr(sys, _STREAMS.get(env.get("VLLM_LOGGING_STREAM", "").strip(), "stdout"))
         handler = logging.StreamHandler(stream)
@@ -109,6 +111,7 @@ def configure_logging(level: str = "INFO", env: Mapping[str, str] | None = None)
         handler.addFilter(_root_has_no_handler)
         handler._kwarm = True
         logger.addHandler(handler)
+        logger.addFilter(_past_default_root)
     if owner == "kwarm" or (owner == "application" and "KWARM_LOG_LEVEL" in env):
         logger.setLevel(level)
     return logger
@@ -138,8 +141,30 @@ def logging_owner(env: Mapping[str, str] | None = None) -> str:
     return "kwarm"
 
 
+def _basic_default(handler: logging.Handler) -> bool:
+    """Whether a root handler is what ``logging.basicConfig()`` makes with its defaults (a stream
+    handler in ``LEVEL:name:message``): in vLLM's engine process a library makes one (seen on the
+    H100 with vLLM 0.33.0: kwarm's lines there came out as ``INFO:kwarm:...``, without time or
+    place), and vLLM's own lines never reach it (``vllm`` does not propagate)."""
+    formatter = getattr(handler, "formatter", None)
+    return type(handler) is logging.StreamHandler and getattr(formatter, "_fmt", None) in (None, logging.BASIC_FORMAT)
+
+
 def _root_has_no_handler(record: logging.LogRecord) -> bool:
-    return not logging.getLogger().handlers
+    """kwarm's handler writes a record only where the root has no handler of the application's."""
+    return all(_basic_default(h) for h in logging.getLogger().handlers)
+
+
+def _past_default_root(record: logging.LogRecord) -> bool:
+    """The ``kwarm`` logger's filter: where the root's handlers are all ``basicConfig`` defaults, the
+    record goes to kwarm's handler alone, in vLLM's format, as vLLM's own lines do, and not to them."""
+    root = logging.getLogger().handlers
+    if not root or not all(_basic_default(h) for h in root):
+        return True
+    for handler in logger.handlers:
+        if getattr(handler, "_kwarm", False) and record.levelno >= handler.level:
+            handler.handle(record)
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

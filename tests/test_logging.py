@@ -140,6 +140,21 @@ def test_root_handlers_get_kwarm_lines_once():
     assert kwarm_lines(err) == ["APP kwarm kwarm: probe warning", "APP kwarm kwarm: probe info"]
 
 
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_libraries_bare_basic_config_does_not_take_kwarms_lines_from_vllms_format(order):
+    """In vLLM's engine process a library calls ``logging.basicConfig()`` with its defaults (on the
+    H100, vLLM 0.33.0: kwarm's lines came out as ``INFO:kwarm:...``, no time, no place). Like
+    vLLM's own, kwarm's lines stay in vLLM's format, once; the root's handler keeps the rest."""
+    setup = 'logging.basicConfig(level=logging.INFO)\nlogging.getLogger("other").warning("other probe")'
+    result, out, err = probe(order, setup)
+    assert result["ours"] == 1 and result["propagate"] is True
+    kwarm = [LINE.match(line) for line in kwarm_lines(out)]
+    assert [(m and (m["level"], m["message"])) for m in kwarm] == [
+        ("WARNING", "kwarm: probe warning"), ("INFO", "kwarm: probe info")], out
+    assert kwarm_lines(err) == [], err
+    assert "WARNING:other:other probe" in err
+
+
 CUSTOM = {"version": 1, "disable_existing_loggers": False,
           "formatters": {"custom": {"format": "CUSTOM %(name)s %(levelname)s %(message)s"}},
           "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "custom",
