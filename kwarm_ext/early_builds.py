@@ -170,8 +170,23 @@ def arch_list(capabilities) -> str:
     return " ".join(f"{major}.{minor}" for major, minor in sorted(set(capabilities)))
 
 
-PROGRAMS = ("vllm", "main.py", "api_server.py")  # sys.argv[0]'s base names of a serve launch
+PROGRAMS = ("vllm", "main.py", "api_server.py", "-m")  # sys.argv[0]'s base names of a serve launch (-m: python -m)
 LAUNCH = "launch"  # STARTED_ENV's value once the sampling build started at launch (config builds still to come)
+
+
+def launch_argv(argv=None, orig_argv=None) -> list:
+    """`argv` (``sys.argv``) as a program path and its arguments. Under ``python -m MODULE``,
+    while the module is being located (when kwarm activates: the first import of ``vllm``),
+    ``sys.argv[0]`` is ``-m``; the interpreter's own command line (``sys.orig_argv``) then
+    names the module, read as its file's path (``vllm/entrypoints/cli/main.py``)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv[:1] != ["-m"]:
+        return argv
+    orig = list(getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv)
+    if "-m" not in orig[:-1]:
+        return argv
+    i = orig.index("-m")
+    return [orig[i + 1].replace(".", "/") + ".py", *orig[i + 2:]]
 
 
 def serve_launch(argv) -> bool:
@@ -217,7 +232,7 @@ def start_at_launch(argv=None) -> subprocess.Popen | None:
     process imports nothing; it starts the build at once and checks it against vLLM's selection
     logic while it runs (:func:`launch_main`). Not started where the command line asks for a
     pooling runner or ``VLLM_USE_FLASHINFER_SAMPLER=0``: then the engine config's prediction decides."""
-    argv = sys.argv if argv is None else argv
+    argv = launch_argv(argv)
     if os.environ.get(STARTED_ENV) or not serve_launch(argv):
         return None
     if launch_runner(argv) != "generate" or os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "").strip().lower() in (

@@ -307,6 +307,14 @@ def test_serve_launches_are_vllms_server_commands_only():
     assert [early_builds.serve_launch(a) for a in no] == [False] * 5
     assert early_builds.launch_runner(["vllm", "serve", "m", "--convert=embed"]) == "pooling"
     assert early_builds.launch_runner(["vllm", "serve", "m", "--convert", "none"]) == "generate"
-    assert early_builds.PROGRAMS == ("vllm", "main.py", "api_server.py")
+    assert early_builds.PROGRAMS == ("vllm", "main.py", "api_server.py", "-m")
+    # python -m: while the module is located, argv[0] is "-m"; the interpreter's command line names it
+    located = early_builds.launch_argv(["-m", "serve", "m"], ["/v/bin/python3", "-X", "utf8", "-m",
+                                                              "vllm.entrypoints.cli.main", "serve", "m", "--port", "1"])
+    assert located == ["vllm/entrypoints/cli/main.py", "serve", "m", "--port", "1"]
+    assert early_builds.serve_launch(located)
+    assert early_builds.serve_launch(early_builds.launch_argv(["-m"], ["python", "-m", "vllm.entrypoints.openai.api_server"]))
+    assert not early_builds.serve_launch(early_builds.launch_argv(["-m"], ["python", "-m", "vllm.entrypoints.cli.main", "bench"]))
+    assert early_builds.launch_argv(["/v/bin/vllm", "serve"], ["whatever"]) == ["/v/bin/vllm", "serve"]
     names = "(" + ", ".join(f'"{n}"' for n in early_builds.PROGRAMS) + ")"
     assert names in open(activation.__file__).read(), "activation reads the same names before importing early_builds"
