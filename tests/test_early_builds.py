@@ -318,3 +318,16 @@ def test_serve_launches_are_vllms_server_commands_only():
     assert early_builds.launch_argv(["/v/bin/vllm", "serve"], ["whatever"]) == ["/v/bin/vllm", "serve"]
     names = "(" + ", ".join(f'"{n}"' for n in early_builds.PROGRAMS) + ")"
     assert names in open(activation.__file__).read(), "activation reads the same names before importing early_builds"
+
+
+def test_each_build_says_its_line_as_it_ends(monkeypatch):
+    """The start's milestones read a build's time from its line: the sampling module's is written
+    before the next build begins, not after all of them."""
+    written = []
+    monkeypatch.setattr(early_builds, "say", written.append)
+    monkeypatch.setattr(early_builds, "build",
+                        lambda spec: f"{spec} ready in 0.0 s, after {len(written)} line(s)")
+    items = [{"name": "sampling", "spec": "a"}, {"name": "concat_mla", "spec": "b"}]
+    assert early_builds.main([json.dumps(items)]) == 0
+    assert written == ["kwarm: early FlashInfer build: a ready in 0.0 s, after 0 line(s)",
+                       "kwarm: early FlashInfer build: b ready in 0.0 s, after 1 line(s)"]
