@@ -36,7 +36,11 @@ What a user can see:
       manager is held back (``AsyncLLM._logger_ref``, the slot vLLM's output handler reads on each
       step, 0.20-0.34), and given back after. Where a release has no such slot, they are counted,
       and the summary line says so;
-    - with ``--enable-log-requests`` vLLM logs them, under request ids starting ``kwarm-warm-``.
+    - with ``--enable-log-requests`` vLLM logs them, under request ids starting ``kwarm-warm-``;
+    - GPU memory: the long prompt's first chunk is a full ``max_num_batched_tokens`` step, the one
+      vLLM's profile run sized its activations for, so nvidia-smi shows the engine at its serving
+      level before ready rather than at the first large request (DeepSeek-V3.2 dimensions at 0.92,
+      H100: 80269 MiB while they ran, 77543 MiB after; BENCHMARKS.md).
 
 Each request is isolated: one that fails (a model without a chat template answers 400 to chat)
 is named in the summary line with its status and vLLM's message, the others still run. The
