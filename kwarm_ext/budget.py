@@ -77,8 +77,9 @@ def begin(spec: tuple) -> str:
 
 
 def credit(seconds: float) -> None:
-    """Give `seconds` back to optional work: a family's time on a start where it compiled
-    (``kwarm_ext.warmup`` calls this). Those compiles always run, since each would cost a request
+    """Give `seconds` back to optional work: a family's time on a start where it compiled, not
+    where it loaded its kernels from Triton's disk cache (``kwarm_ext.warmup`` calls this,
+    ``compiled_for_real`` tells them apart). Those compiles always run, since each would cost a request
     seconds, so on a cold cache they spent the budget before ``eager_gemm``'s fill came: on vLLM
     0.29.0 with the published-size DeepSeek-V3.2, cold, they took 8.4 s of a 7.6-8.9 s budget,
     the fill got nothing and request 0 cost 1.34x its repeat (BENCHMARKS.md). A percent budget
