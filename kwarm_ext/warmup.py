@@ -402,7 +402,8 @@ def _run_family(name: str, view, settings) -> FamilyResult:
 
 
 # A Triton compile takes 0.1-5 s; a kernel loaded from Triton's disk cache, which its compile hook
-# reports the same way, a few ms (warm restart, H100, vLLM 0.33.0: 4-26 ms a kernel per family).
+# reports the same way, a few ms. Per family and kernel on the H100 (vLLM 0.33.0, tiny models):
+# 145-620 ms cold, 3-29 ms on the warm restart.
 LOADED_S = 0.05
 
 
