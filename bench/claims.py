@@ -54,12 +54,13 @@ def serve(model: str) -> dict:
 
 
 def server(model: str, name: str) -> dict:
-    return serve(model)["phases"][0]["servers"][name]
+    return phase_server(model, 0, name)
 
 
-def req_s(model: str, name: str, kind: str, occurrence: str = "first") -> float | None:
-    """The request's headline time (TTFT for stream kinds, p99 TTFT for the burst) in seconds."""
-    for r in server(model, name)["requests"]:
+def req_s(model: str, name: str, kind: str, occurrence: str = "first", phase: int = 0) -> float | None:
+    """The request's headline time (TTFT for stream kinds, p99 TTFT for the burst) in seconds, in
+    `phase` (0 cold, 1 the warm restart)."""
+    for r in phase_server(model, phase, name)["requests"]:
         if r["kind"] == kind and r["occurrence"] == occurrence:
             if r.get("error"):
                 return None
@@ -89,11 +90,6 @@ def triton_in_requests(model: str, name: str) -> int:
     return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0) for r in server(model, name)["requests"])
 
 
-def family(model: str, name: str) -> dict:
-    fams = server(model, "kwarm")["kwarm_report_summary"]["families"]
-    return next(f for f in fams if f["name"] == name)
-
-
 def engine(folder: str, name: str) -> dict:
     return load(PUB / folder / f"{name}.json")
 
@@ -111,16 +107,8 @@ def over_bar(model: str, phase: int = 0) -> list[tuple[str, float, float]]:
     """kwarm's request kinds whose first is over 1.1x its repeat and more than 10 ms over it, in
     `phase` (0 cold, 1 the warm restart)."""
     out = []
-    requests = phase_server(model, phase, "kwarm")["requests"]
-
-    def t(kind, occurrence):
-        for r in requests:
-            if r["kind"] == kind and r["occurrence"] == occurrence and not r.get("error"):
-                return r["ttft_s"] if r.get("ttft_s") is not None else r["s"]
-        return None
-
-    for kind in dict.fromkeys(r["kind"] for r in requests):
-        first, repeat = t(kind, "first"), t(kind, "repeat")
+    for kind in dict.fromkeys(r["kind"] for r in phase_server(model, phase, "kwarm")["requests"]):
+        first, repeat = req_s(model, "kwarm", kind, "first", phase), req_s(model, "kwarm", kind, "repeat", phase)
         if first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
             out.append((kind, first, repeat))
     return out
@@ -254,28 +242,13 @@ def fp8_claims() -> list[str]:
     ]
 
 
-def published_dims_claims() -> list[str]:
-    d = "vllm0.33.0-h200/published-dims"
-    r = {(m, k): engine(d, f"{m}-vllm0.33.0-kwarm{k}-cold")["init_s"]
-         for m in ("deepseek-v32-2l", "qwen3-next-80b-a3b-4l") for k in ("on", "off")}
-    u = "vllm0.33.0-h200/published-dims-unrecorded"
-    ru = {(m, k): engine(u, f"{m}-vllm0.33.0-kwarm{k}-cold")["init_s"]
-          for m in ("deepseek-v32-2l", "qwen3-next-80b-a3b-4l") for k in ("on", "off")}
-    return [f"| on, cold (learning, no manifest) | {ru['deepseek-v32-2l', 'on']:.0f} s "
-            f"({pct(ru['deepseek-v32-2l', 'on'], ru['deepseek-v32-2l', 'off'])}) |",
-            f"start {pct(ru['qwen3-next-80b-a3b-4l', 'on'], ru['qwen3-next-80b-a3b-4l', 'off'])} cold "
-            f"({ru['qwen3-next-80b-a3b-4l', 'on']:.0f} against {ru['qwen3-next-80b-a3b-4l', 'off']:.0f} s",
-            f"cold start {pct(r['deepseek-v32-2l', 'on'], r['deepseek-v32-2l', 'off'])} (DeepSeek-V3.2) and "
-            f"{pct(r['qwen3-next-80b-a3b-4l', 'on'], r['qwen3-next-80b-a3b-4l', 'off'])} (Qwen3-Next)"]
-
-
 def readme_claims() -> list[str]:
     return serving_claims() + fp8_claims()[:7]
 
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:] + published_dims_claims()}
+            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:]}
 
 
 def numbers(text: str) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -280,10 +281,13 @@ def log_message(line: str) -> str:
 
 
 def backends_from_log(lines) -> list[str]:
-    """vLLM's own lines naming the backends it chose, each once, in order."""
+    """vLLM's own lines naming the backends it chose, each once, in order (not kwarm's lines
+    about FlashInfer's builds, which the FlashInfer pattern would take too)."""
     seen = []
     for line in lines:
         message = log_message(line)
+        if "kwarm: " in message:
+            continue
         if any(r.match(message) for r in BACKEND_RES) and message not in seen:
             seen.append(message[:240])
     return seen
@@ -340,8 +344,7 @@ START_STAGES = (
     ("engine ready", r"init engine \(profile"),
     ("kwarm warm requests done", r"kwarm: warm requests:"),
     ("api listening", r"Starting vLLM (?:API )?server on|Application startup complete"),
-    ("sampling build started", r"Building JIT module sampling|Loading JIT ops: sampling"),
-    ("sampling build done", r"Finished (?:building|loading) JIT (?:module|ops): sampling"),
+    ("sampling build started", r"Building JIT module sampling"),  # FlashInfer 0.7 says no end
     ("kwarm early builds started", r"kwarm: early FlashInfer builds: "),
     ("kwarm early sampling built", r"kwarm: early FlashInfer build: sampling ready"),
 )
@@ -351,14 +354,12 @@ _STAMP_RES = (re.compile(r"\b(?:DEBUG|INFO|WARNING|ERROR)\s+(\d\d-\d\d \d\d:\d\d
 
 def line_time(line: str, year: int) -> float | None:
     """The epoch seconds of a log line's own timestamp (local time, to the second), if it has one."""
-    import datetime
-
     for i, r in enumerate(_STAMP_RES):
         m = r.search(line)
         if m:
-            fmt, text = ("%Y-%m-%d %H:%M:%S", m.group(1)) if i else ("%Y-%m-%d %H:%M:%S", f"{year}-{m.group(1)}")
+            text = m.group(1) if i else f"{year}-{m.group(1)}"  # vLLM's lines have no year
             try:
-                return datetime.datetime.strptime(text, fmt).timestamp()
+                return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()
             except ValueError:
                 return None
     return None
@@ -367,8 +368,6 @@ def line_time(line: str, year: int) -> float | None:
 def start_stages(lines, launched: float) -> dict:
     """``{stage: seconds after launch}`` of :data:`START_STAGES` met in a server's log, in log order.
     Timestamps are the lines' own (one-second resolution): a stage reads as up to 1 s early."""
-    import datetime
-
     year = datetime.datetime.fromtimestamp(launched).year
     patterns = [(name, re.compile(p)) for name, p in START_STAGES]
     found: dict = {}

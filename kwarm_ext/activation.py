@@ -107,7 +107,7 @@ def _start_early_builds(settings) -> None:
     """Where this process is ``vllm serve`` starting, start FlashInfer's sampling build in the
     background now (``kwarm_ext/early_builds.py`` says why this early); it imports nothing heavy."""
     if os.environ.get(config.EARLY_BUILDS_ENV) or not sys.argv or \
-            os.path.basename(sys.argv[0]) not in ("vllm", "main.py", "api_server.py", "-m"):  # early_builds.PROGRAMS
+            os.path.basename(sys.argv[0]) not in config.SERVE_PROGRAMS:
         return  # an engine process (it inherits the mark), or not vLLM's server: nothing imported
     if not settings.warmups.wants("flashinfer_jit"):
         return

@@ -57,6 +57,10 @@ DEEP_GEMM_EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
 # Not a setting either: set once kwarm_ext.early_builds started FlashInfer's builds at launch, so that
 # the engine's processes, which inherit it, do not start them again.
 EARLY_BUILDS_ENV = "KWARM_EARLY_BUILDS"
+# sys.argv[0]'s base names where a process may be ``vllm serve`` starting (``-m``: ``python -m``,
+# its module still being located): activation looks before it imports kwarm_ext.early_builds,
+# which reads the whole command line (``early_builds.serve_launch``).
+SERVE_PROGRAMS = ("vllm", "main.py", "api_server.py", "-m")
 
 # Modules whose kernels a manifest may name without KWARM_ALLOW_MODULES (a manifest is
 # untrusted input: replay imports the modules it names).
@@ -158,8 +162,7 @@ def _root_has_no_handler(record: logging.LogRecord) -> bool:
 def _past_default_root(record: logging.LogRecord) -> bool:
     """The ``kwarm`` logger's filter: where the root's handlers are all ``basicConfig`` defaults, the
     record goes to kwarm's handler alone, in vLLM's format, as vLLM's own lines do, and not to them."""
-    root = logging.getLogger().handlers
-    if not root or not all(_basic_default(h) for h in root):
+    if not logging.getLogger().handlers or not _root_has_no_handler(record):
         return True
     for handler in logger.handlers:
         if getattr(handler, "_kwarm", False) and record.levelno >= handler.level:

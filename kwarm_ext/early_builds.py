@@ -170,7 +170,6 @@ def arch_list(capabilities) -> str:
     return " ".join(f"{major}.{minor}" for major, minor in sorted(set(capabilities)))
 
 
-PROGRAMS = ("vllm", "main.py", "api_server.py", "-m")  # sys.argv[0]'s base names of a serve launch (-m: python -m)
 LAUNCH = "launch"  # STARTED_ENV's value once the sampling build started at launch (config builds still to come)
 
 
@@ -192,8 +191,8 @@ def launch_argv(argv=None, orig_argv=None) -> list:
 def serve_launch(argv) -> bool:
     """Whether `argv` (``sys.argv``) is vLLM's OpenAI server starting: ``vllm serve ...`` (the
     console script, or ``python -m vllm.entrypoints.cli.main serve``) or ``python -m
-    vllm.entrypoints.openai.api_server ...``, not asked for its help. ``activation`` reads the
-    same names (:data:`PROGRAMS`) before it imports this module."""
+    vllm.entrypoints.openai.api_server ...``, not asked for its help. ``activation`` looks at
+    ``config.SERVE_PROGRAMS`` before it imports this module."""
     if not argv or any(a in ("-h", "--help") or a.startswith("--help=") for a in argv[1:]):
         return False
     program, path = os.path.basename(argv[0]), argv[0].replace(os.sep, "/")
@@ -241,7 +240,7 @@ def start_at_launch(argv=None) -> subprocess.Popen | None:
     if importlib.util.find_spec("flashinfer") is None:
         return None
     os.environ[STARTED_ENV] = LAUNCH  # the engine's processes inherit it; start() adds the config's builds
-    payload = {"facts": {"runner_type": launch_runner(argv)}, "capabilities": None,
+    payload = {"facts": {"runner_type": "generate"}, "capabilities": None,
                "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
     proc = _spawn(payload, dict(os.environ))
     logger.info("kwarm: starting FlashInfer's sampling build in the background at launch (pid %d)", proc.pid)

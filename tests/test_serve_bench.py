@@ -192,6 +192,7 @@ def test_backends_come_from_vllms_own_log_lines():
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:02 [qwen_gdn_linear_attn.py:300] Using FlashInfer GDN prefill "
         "kernel (requested=auto, head_k_dim=128).",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
+        "INFO 12-05 08:01:03 [kwarm early_builds.py] kwarm: early FlashInfer builds: sampling, started at launch",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:03 [topk_topp_sampler.py:149] Using FlashInfer for top-p & top-k sampling.",
         "(EngineCore_DP0 pid=11) INFO 12-05 08:01:04 [kv_cache_utils.py:1169] GPU KV cache size: 1,234,816 tokens, "
         "Maximum concurrency for 12,288 tokens per request: 100.49x",
