@@ -38,9 +38,9 @@ What a user can see:
       and the summary line says so;
     - with ``--enable-log-requests`` vLLM logs them, under request ids starting ``kwarm-warm-``;
     - GPU memory: the long prompt's first chunk is a full ``max_num_batched_tokens`` step, the one
-      vLLM's profile run sized its activations for, so nvidia-smi shows the engine at its serving
-      level before ready rather than at the first large request (DeepSeek-V3.2 dimensions at 0.92,
-      H100: 80269 MiB as they ended, 77543 MiB two seconds later; BENCHMARKS.md).
+      vLLM's profile run sized its activations for, so nvidia-smi shows the engine near its serving
+      peak before ready rather than at the first large request (DeepSeek-V3.2 dimensions at 0.92 on
+      the H100: BENCHMARKS.md's memory chart).
 
 Each request is isolated: one that fails (a model without a chat template answers 400 to chat)
 is named in the summary line with its status and vLLM's message, the others still run. The
