@@ -63,10 +63,18 @@ def invalid(raw: str) -> None:
     if _warned:
         return
     _warned = True
-    argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None) or []
-    if "doctor" in argv and any(a == "kwarm_ext.cli" or a.rsplit("/", 1)[-1] == "kwarm" for a in argv):
+    if kwarm_command("doctor"):
         return
     sys.stderr.write("WARNING kwarm: KWARM_ENABLE=%r is not 1/true/yes/on or 0/false/no/off: kwarm is off\n" % (raw,))
+
+
+def kwarm_command(word: str, argv=None) -> bool:
+    """Whether this process is kwarm's own CLI (``kwarm ...`` or ``python -m kwarm_ext.cli ...``)
+    with `word` among its arguments (``doctor``, ``--json``). Read from ``sys.orig_argv`` (the
+    interpreter's own, ``-m`` included) and ``sys.argv``; kwarm_ext.activation asks here too."""
+    if argv is None:
+        argv = [*getattr(sys, "orig_argv", ()), *(getattr(sys, "argv", None) or ())]
+    return word in argv and any(a == "kwarm_ext.cli" or str(a).rsplit("/", 1)[-1] == "kwarm" for a in argv)
 
 
 def armed() -> bool:

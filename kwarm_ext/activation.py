@@ -66,14 +66,16 @@ def activate(source: str = "api") -> bool:
 def _prints_json() -> bool:
     """Whether this process is kwarm's own CLI asked for JSON (``kwarm doctor --json``): its log
     lines, kwarm's and vLLM's, then go to stderr."""
-    argv = [*getattr(sys, "orig_argv", []), *getattr(sys, "argv", [])]
-    return "--json" in argv and any(os.path.basename(a) == "kwarm" or a == "kwarm_ext.cli" for a in argv)
+    from _kwarm_door import kwarm_command
+
+    return kwarm_command("--json")
 
 
 def _is_doctor() -> bool:
     """Whether this process is ``kwarm doctor``."""
-    argv = [*getattr(sys, "orig_argv", []), *getattr(sys, "argv", [])]
-    return "doctor" in argv and any(os.path.basename(a) == "kwarm" or a == "kwarm_ext.cli" for a in argv)
+    from _kwarm_door import kwarm_command
+
+    return kwarm_command("doctor")
 
 
 RAY_PREFIXES_ENV = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"

@@ -235,3 +235,16 @@ def test_doctor_exit_status_when_the_hook_target_is_missing():
     assert doctor_module.exit_status(r) == doctor_module.OK
     r["versions"]["vllm"] = None
     assert doctor_module.exit_status(r) == 4
+
+
+def test_kwarm_command_knows_kwarms_cli_in_each_form():
+    """One reading of argv for 'is this kwarm's own CLI' (the .pth door's warning, activation's
+    quiet doctor and JSON-to-stderr), whichever way the CLI was started."""
+    from _kwarm_door import kwarm_command
+
+    assert kwarm_command("doctor", ["/venv/bin/kwarm", "doctor", "--json"])
+    assert kwarm_command("--json", ["/venv/bin/python3", "-m", "kwarm_ext.cli", "doctor", "--json"])
+    assert kwarm_command("doctor", ["kwarm", "doctor"])
+    assert not kwarm_command("doctor", ["/venv/bin/vllm", "serve", "doctor"])  # a model called doctor
+    assert not kwarm_command("--json", ["/venv/bin/kwarm", "doctor"])
+    assert not kwarm_command("doctor", ["/venv/bin/kwarmish", "doctor"])
