@@ -83,23 +83,23 @@ def config_facts(vllm_config) -> dict:
             "nope_rope": [getattr(hf, "qk_nope_head_dim", None), getattr(hf, "qk_rope_head_dim", None)]}
 
 
-def predict(vllm_config, capabilities: list) -> tuple[list, list]:
+def predict(vllm_config, capabilities: list, started: tuple = ()) -> tuple[list, list]:
     """(builds, [why each other was not predicted]) for `vllm_config` (or its
-    :func:`config_facts`) on GPUs of `capabilities` ([(major, minor), ...], every visible GPU)."""
+    :func:`config_facts`) on GPUs of `capabilities` ([(major, minor), ...], every visible GPU).
+    A build named in `started` (the sampling build, started at launch) is not predicted again:
+    its selection logic (vLLM's sampler, its FlashInfer backend, FlashInfer: seconds of imports)
+    is not even asked."""
     facts = vllm_config if isinstance(vllm_config, dict) else config_facts(vllm_config)
     builds, not_predicted = [], []
     if not capabilities:
         return [], ["no NVIDIA GPU visible"]
-    reason = _sampler_reason(facts, capabilities)
-    if reason is None:
-        builds.append(SAMPLING)
-    else:
-        not_predicted.append(f"sampling: {reason}")
-    reason = _concat_reason(facts)
-    if reason is None:
-        builds.append(CONCAT_MLA)
-    else:
-        not_predicted.append(f"concat_mla: {reason}")
+    for build, reason_of in ((SAMPLING, lambda: _sampler_reason(facts, capabilities)),
+                             (CONCAT_MLA, lambda: _concat_reason(facts))):
+        reason = "started at launch" if build.name in started else reason_of()
+        if reason is None:
+            builds.append(build)
+        else:
+            not_predicted.append(f"{build.name}: {reason}")
     return builds, not_predicted
 
 
@@ -251,7 +251,8 @@ def start(vllm_config) -> subprocess.Popen | None:
     """Start the background process that predicts the builds and runs them (once per process
     tree); None where no GPU is visible, FlashInfer is not installed or they started already.
     Where :func:`start_at_launch` started the sampling build, only the builds the config's layers
-    imply are left (``concat_mla``), and a process starts only where one is predicted.
+    imply are left (``concat_mla``), and a process starts only where one is predicted; it does
+    not import the sampler's selection logic again (:func:`predict`'s `started`).
 
     The prediction runs there, not here: it imports vLLM's sampler, its FlashInfer attention
     backend and FlashInfer itself (about 5 s on an H100 host, measured: the API server would start
@@ -336,10 +337,8 @@ def main(argv=None) -> int:
         payload = json.loads(argv[1])
         if payload.get("capabilities") is None:
             return launch_main(payload)
-        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]])
-        if payload.get("skip"):
-            builds = [b for b in builds if b.name not in payload["skip"]]
-            not_predicted = [*not_predicted, *(f"{name}: started at launch" for name in payload["skip"])]
+        builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]],
+                                        started=tuple(payload.get("skip") or ()))
         note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
         say(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}")
         items = [dataclasses.asdict(b) for b in builds]

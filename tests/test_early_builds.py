@@ -175,6 +175,25 @@ def test_the_background_process_predicts_from_the_launch_facts_says_what_and_bui
     assert built[1:] == [early_builds.SAMPLING.spec, early_builds.CONCAT_MLA.spec]
 
 
+def test_the_config_process_does_not_ask_again_for_the_build_started_at_launch(monkeypatch, capsys):
+    """With the sampling build running since launch, the engine config's process builds what the
+    layers imply and never asks the sampler's selection logic (seconds of vLLM and FlashInfer
+    imports, for a build it would skip)."""
+    built = []
+    monkeypatch.setattr(early_builds, "build", lambda spec: built.append(spec) or f"{spec} ready in 0.0 s")
+
+    def asked(facts, caps):
+        raise AssertionError("the sampler's selection logic was asked for a build started at launch")
+
+    monkeypatch.setattr(early_builds, "_sampler_reason", asked)
+    facts = {"runner_type": "generate", "use_mla": True, "heads_per_rank": 128, "nope_rope": [128, 64]}
+    payload = {"facts": facts, "capabilities": [[9, 0]], "skip": ["sampling"]}
+    assert early_builds.main(["--predict", json.dumps(payload)]) == 0
+    assert built == [early_builds.CONCAT_MLA.spec]
+    first = capsys.readouterr().err.splitlines()[0].split("] ", 1)[1]
+    assert first == "kwarm: early FlashInfer builds: concat_mla (not: sampling: started at launch)"
+
+
 class _Popen:
     """subprocess.Popen's stand-in: records what would have started."""
 
