@@ -29,7 +29,8 @@ How: one process (``python -m kwarm_ext.early_builds``), which also makes the pr
 imports would hold the API server back), started in its own session at low
 priority (nice 10), with ``CUDA_VISIBLE_DEVICES`` empty so that it never creates a CUDA context
 (its memory would count in vLLM's memory profiling) and ``FLASHINFER_CUDA_ARCH_LIST`` set to the
-visible GPUs' capabilities, read through NVML (vLLM's platform, no CUDA context either): FlashInfer
+visible GPUs' capabilities, read through NVML (no CUDA context either; vLLM's platform where the
+host's GPUs differ, :func:`capabilities_of`): FlashInfer
 then derives the same target architectures, workspace folder and nvcc flags as the engine's
 processes, which detect them from the devices. Each module is built through FlashInfer's own
 ``JitSpec.build`` under the spec's file lock (``need_lock=True``): vLLM's own call finds the
@@ -292,9 +293,35 @@ def _spawn(payload: dict, env: dict) -> subprocess.Popen:
                             preexec_fn=lambda: os.nice(10))
 
 
+def host_capabilities() -> list | None:
+    """[(major, minor)] of every NVIDIA GPU of this host, through NVML (``pynvml``, nvidia-ml-py,
+    a dependency of vLLM): milliseconds, no torch, no vLLM, no CUDA context; None where NVML
+    cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return [tuple(int(x) for x in pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                    for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001  (no NVML, no driver, the unofficial wrapper's differences)
+        return None
+
+
 def capabilities_of(visible: str | None) -> list:
     """:func:`visible_capabilities` as a process with ``CUDA_VISIBLE_DEVICES`` = `visible` (None:
-    unset) sees them, read in this process (whose own variable is empty): NVML, no CUDA context."""
+    unset) sees them, read in this process (whose own variable is empty): NVML, no CUDA context.
+
+    Where every GPU of the host has one capability (:func:`host_capabilities`) and `visible` is
+    unset or names some, that capability is the answer, without importing vLLM: its platform
+    (which maps the variable's entries to GPUs the way the engine will) pulls in torch and vLLM,
+    4 s on a quiet host before the sampling build could start, and more at a cold start beside
+    the server's own imports. A host of mixed GPUs, or an empty variable, asks vLLM's platform."""
+    host = host_capabilities()
+    if host and len(set(host)) == 1 and (visible is None or visible.strip()):
+        return [host[0]]
     own = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         if visible is None:

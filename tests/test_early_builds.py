@@ -254,6 +254,7 @@ def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_an
     starts the sampling build before vLLM's selection logic is imported, and says what that logic
     makes of it; the model's builds wait for its config."""
     seen, events = [], []
+    monkeypatch.setattr(early_builds, "host_capabilities", lambda: None)  # vLLM's platform reads them
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("FLASHINFER_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(early_builds, "visible_capabilities",
@@ -294,6 +295,51 @@ def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_an
     monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [])
     assert early_builds.main(["--predict", json.dumps(payload)]) == 0
     assert capsys.readouterr().err.split("] ", 1)[1].strip() == "kwarm: early FlashInfer builds: none (not: sampling: no NVIDIA GPU visible)"
+
+
+def test_the_launch_process_reads_a_uniform_hosts_gpus_through_nvml_alone(monkeypatch):
+    """On a host whose GPUs share one capability, the launch process takes it from NVML
+    (milliseconds) without importing vLLM's platform (torch and vLLM: seconds before the build could
+    start); a host of mixed GPUs, an empty CUDA_VISIBLE_DEVICES or no NVML asks vLLM's platform,
+    which maps the variable as the engine will."""
+    calls = []
+
+    class FakeNVML(types.ModuleType):
+        caps = [(9, 0), (9, 0)]
+
+        def nvmlInit(self):
+            calls.append("init")
+
+        def nvmlShutdown(self):
+            calls.append("shutdown")
+
+        def nvmlDeviceGetCount(self):
+            return len(self.caps)
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return i
+
+        def nvmlDeviceGetCudaComputeCapability(self, handle):
+            return self.caps[handle]
+
+    nvml = FakeNVML("pynvml")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(early_builds, "visible_capabilities", lambda: ["from vLLM's platform"])
+    assert early_builds.host_capabilities() == [(9, 0), (9, 0)] and calls == ["init", "shutdown"]
+    assert early_builds.capabilities_of("0,1") == [(9, 0)]
+    assert early_builds.capabilities_of(None) == [(9, 0)]
+    assert early_builds.capabilities_of("") == ["from vLLM's platform"], "empty: vLLM's reading of it"
+    nvml.caps = [(9, 0), (8, 0)]
+    assert early_builds.capabilities_of("1") == ["from vLLM's platform"], "mixed GPUs: vLLM maps the entries"
+    nvml.caps = []
+    assert early_builds.capabilities_of(None) == ["from vLLM's platform"]
+
+    def broken(self):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(FakeNVML, "nvmlInit", broken)
+    assert early_builds.host_capabilities() is None
+    assert early_builds.capabilities_of("0") == ["from vLLM's platform"]
 
 
 def test_activation_starts_the_launch_build_only_in_vllms_server_process(monkeypatch):
