@@ -796,7 +796,8 @@ def kwarm_report(path: Path) -> dict:
 @contextlib.contextmanager
 def sync_lock(path: str | None, exclusive: bool):
     """With ``--sync-lock``: benchmarks beside each other start their servers together (shared) but
-    measure requests one at a time and never while another one starts (exclusive)."""
+    measure requests one at a time and never while another one starts or stops (exclusive: a
+    benchmark stops its servers before it lets the lock go)."""
     if not path:
         yield 0.0
         return
@@ -883,6 +884,8 @@ def run(args) -> int:
                         with sync_lock(args.sync_lock, exclusive=True) as waited:
                             phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
                             measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
+                            for s in group:  # stopped before the lock goes: a server's shutdown is CPU
+                                s.stop()     # that the next benchmark's first requests would share
                         for sname, rec in measured.items():
                             came_up[sname].update(rec)
                         for s in ready:  # kwarm's report is complete once warmup (after capture too) is done

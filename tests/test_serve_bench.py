@@ -417,6 +417,40 @@ def test_one_at_a_time_runs_each_server_alone_and_saves_the_result(tmp_path, mon
     assert result["args"]["kv_bytes"] == "" and "--kv-cache-memory-bytes" not in result["commands"]["plain"]
 
 
+def test_servers_stop_before_the_request_lock_goes(tmp_path, monkeypatch):
+    """Beside other benchmarks (--sync-lock), a benchmark stops its servers before it lets the
+    request lock go: the next one's first requests never share the CPU with a shutdown."""
+    import contextlib
+
+    events = []
+    real_stop = serve_bench.Server.stop
+
+    def stop(self, grace: float = 30):
+        if self.proc is not None:
+            events.append(("stop", self.name))
+        return real_stop(self, grace)
+
+    @contextlib.contextmanager
+    def lock(path, exclusive):
+        events.append(("take", exclusive))
+        try:
+            yield 0.0
+        finally:
+            events.append(("release", exclusive))
+
+    monkeypatch.setattr(serve_bench.Server, "stop", stop)
+    monkeypatch.setattr(serve_bench, "sync_lock", lock)
+    monkeypatch.setattr(serve_bench, "serve_command", lambda model_dir, port, args, kwarm: [
+        sys.executable, str(STANDIN), str(port), str(model_dir), "0.2"])
+    out = tmp_path / "out"
+    assert serve_bench.main([str(TINY), "--out", str(out), "--work", str(tmp_path / "work"), "--restarts", "0",
+                             "--port", str(_free_port()), "--sync-lock", str(tmp_path / "lock"),
+                             "--share-flashinfer-cache", "--budget", "300"]) == 0
+    released = events.index(("release", True))
+    assert events.index(("take", True)) < released
+    assert {("stop", "plain"), ("stop", "kwarm")} <= set(events[:released]), events
+
+
 def test_traffic_at_ready_reads_vllms_and_the_http_middlewares_counters_from_a_real_metrics_page():
     """What a user could see of kwarm's warm requests: vLLM's engine counters and the HTTP metrics
     at ready, read from a page prometheus_client itself writes (vLLM's names, label sets summed)."""
