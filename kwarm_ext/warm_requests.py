@@ -21,7 +21,8 @@ How:
     user's middleware (Starlette's ``ExceptionMiddleware``: the app's exception handlers, FastAPI's
     own layers, the router), so that the HTTP metrics middleware, CORS and API-key checks never
     see them. Kinds: text
-    completion, chat (greedy; top-p/top-k; min-p; seeded; penalties; logit bias; stop strings),
+    completion, chat (greedy; top-p, as OpenAI clients sample; top-p/top-k; min-p; seeded;
+    penalties; logit bias; stop strings),
     ``n=3`` with logprobs, prompt logprobs, a JSON schema, a named tool call (and ``auto`` where
     ``--enable-auto-tool-choice`` is on, through the configured parser), streamed chat and text,
     a prompt longer than one scheduler step (chunked prefill) and concurrent streams.
@@ -122,14 +123,20 @@ def plan(served: Served) -> list[WarmRequest]:
                 "max_tokens": MAX_TOKENS, **params}
 
     fixed = {"ignore_eos": True}  # every request runs its MAX_TOKENS decode steps
-    sampled = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+    # What OpenAI clients send: temperature and top_p, no top_k (a vLLM extension). vLLM's sampler
+    # takes another path for a batch without top_k (FlashInfer's top-p kernel, not its top-k/top-p
+    # one), so the streams and the concurrent burst sample that way, and one request each with
+    # top_k covers the extension's path.
+    sampled = {"temperature": 0.8, "top_p": 0.9}
+    with_top_k = {**sampled, "top_k": 40}
     requests = [
         WarmRequest("completion", "/v1/completions",
                     {"model": served.model, "prompt": words, "max_tokens": MAX_TOKENS, "temperature": 0.0, **fixed}),
         WarmRequest("chat", "/v1/chat/completions", chat(words, temperature=0.0, **fixed)),
-        WarmRequest("top-p-top-k", "/v1/chat/completions", chat(words, **sampled, **fixed)),
+        WarmRequest("top-p", "/v1/chat/completions", chat(words, **sampled, **fixed)),
+        WarmRequest("top-p-top-k", "/v1/chat/completions", chat(words, **with_top_k, **fixed)),
         WarmRequest("min-p", "/v1/chat/completions", chat(words, temperature=0.7, min_p=0.1, **fixed)),
-        WarmRequest("seed", "/v1/chat/completions", chat(words, **sampled, seed=1234, **fixed)),
+        WarmRequest("seed", "/v1/chat/completions", chat(words, **with_top_k, seed=1234, **fixed)),
         WarmRequest("n-logprobs", "/v1/chat/completions",
                     chat(words, **sampled, n=min(3, served.max_num_seqs), logprobs=True, top_logprobs=5, **fixed)),
         WarmRequest("prompt-logprobs", "/v1/chat/completions", chat(words, temperature=0.0, prompt_logprobs=3, **fixed)),

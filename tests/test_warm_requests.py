@@ -274,6 +274,28 @@ def test_the_auto_tool_choice_kind_goes_with_the_parser_flag():
     assert by_name["concurrent-streams"].concurrent == 2 and by_name["n-logprobs"].body["n"] == 2
 
 
+def test_the_streams_and_the_burst_sample_as_openai_clients_do():
+    """OpenAI clients send temperature and top_p, no top_k (a vLLM extension); vLLM's sampler takes
+    another path for a batch without top_k (FlashInfer's top-p kernel after a softmax, instead of
+    its top-k/top-p one). The streams, the burst and a single request sample that way; one request
+    with top_k (and the seeded one) covers the extension's path."""
+    from kwarm_ext import warm_requests
+
+    served = warm_requests.Served(model="m", vocab_size=4096, max_model_len=12288, max_num_batched_tokens=8192,
+                                  max_num_seqs=256)
+    by_name = {r.name: r for r in warm_requests.plan(served)}
+
+    def top_p_only(body):
+        return body.get("temperature", 1.0) > 0 and body.get("top_p", 1.0) < 1.0 and "top_k" not in body \
+            and "seed" not in body
+
+    for name in ("top-p", "stream-chat", "stream-completion", "concurrent-streams", "n-logprobs", "penalties"):
+        assert top_p_only(by_name[name].body), name
+    assert by_name["concurrent-streams"].concurrent == warm_requests.CONCURRENT
+    assert by_name["top-p-top-k"].body["top_k"] > 0 and by_name["top-p-top-k"].body["top_p"] < 1.0
+    assert by_name["seed"].body["top_k"] > 0 and "seed" in by_name["seed"].body
+
+
 VALIDATE = """
 import json, sys
 from kwarm_ext import warm_requests
