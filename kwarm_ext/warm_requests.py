@@ -125,8 +125,8 @@ def plan(served: Served) -> list[WarmRequest]:
     fixed = {"ignore_eos": True}  # every request runs its MAX_TOKENS decode steps
     # What OpenAI clients send: temperature and top_p, no top_k (a vLLM extension). vLLM's sampler
     # takes another path for a batch without top_k (FlashInfer's top-p kernel, not its top-k/top-p
-    # one), so the streams and the concurrent burst sample that way, and one request each with
-    # top_k covers the extension's path.
+    # one), so the streams and the concurrent burst sample that way; the top-p-top-k and seeded
+    # requests cover the extension's path.
     sampled = {"temperature": 0.8, "top_p": 0.9}
     with_top_k = {**sampled, "top_k": 40}
     requests = [
