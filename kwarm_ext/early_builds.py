@@ -373,18 +373,19 @@ def main(argv=None) -> int:
         items = json.loads(argv[0])
     failed = 0
     for item in items:  # each line as its build ends: the start's milestones read their times
-        line = build_line(item)
-        failed += " failed, " in line
+        line, ok = build_line(item)
+        failed += not ok
         say(f"kwarm: early FlashInfer build: {line}")
     return 1 if failed else 0
 
 
-def build_line(item: dict) -> str:
-    """:func:`build` of one ``{"name", "spec"}``, as its line; a failure is the line, never raised."""
+def build_line(item: dict) -> tuple[str, bool]:
+    """:func:`build` of one ``{"name", "spec"}``: (its line, whether it built); a failure is its
+    line, never raised."""
     try:
-        return build(item["spec"])
+        return build(item["spec"]), True
     except Exception as exc:  # noqa: BLE001  (one module's failure: vLLM builds it itself later)
-        return f"{item['name']} failed, vLLM builds it when it needs it: {type(exc).__name__}: {exc}"
+        return f"{item['name']} failed, vLLM builds it when it needs it: {type(exc).__name__}: {exc}", False
 
 
 def launch_main(payload: dict) -> int:
@@ -403,8 +404,8 @@ def launch_main(payload: dict) -> int:
         say("kwarm: early FlashInfer builds: none (not: sampling: no NVIDIA GPU visible)")
         return 0
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
-    done: dict = {}
-    builder = threading.Thread(target=lambda: done.update(line=build_line(dataclasses.asdict(SAMPLING))),
+    done: list = []
+    builder = threading.Thread(target=lambda: done.append(build_line(dataclasses.asdict(SAMPLING))),
                                name="kwarm-early-sampling")
     builder.start()
     builds, not_predicted = predict(payload["facts"], capabilities)
@@ -415,8 +416,9 @@ def launch_main(payload: dict) -> int:
         say(f"kwarm: early FlashInfer builds: sampling, started at launch, though vLLM will not call it here "
             f"({why}): background CPU only")
     builder.join()
-    say(f"kwarm: early FlashInfer build: {done.get('line', 'sampling: no result')}")
-    return 1 if " failed, " in done.get("line", " failed, ") else 0
+    line, ok = done[0] if done else ("sampling: no result", False)
+    say(f"kwarm: early FlashInfer build: {line}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
