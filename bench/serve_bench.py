@@ -897,6 +897,8 @@ def run(args) -> int:
                     for s in group:
                         s.stop()
                         shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
+                        for profile in s.root.glob("profile.*.txt"):  # SERVE_PROBE_PROFILE's samples
+                            shutil.move(str(profile), out_dir / f"{name}.{s.name}.{label}.{profile.name}")
                 if sampler is not None:
                     for s in group:
                         came_up[s.name].update(sampler.summary())

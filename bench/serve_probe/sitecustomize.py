@@ -15,6 +15,12 @@ so that nothing is imported early and nothing changes what vLLM runs:
 - ``transformers``: the chat template's Jinja compile;
 - ``torch._dynamo``: each torch.compile start/end (a recompile after ready lands on a request).
 
+With ``SERVE_PROBE_PROFILE`` set too, kwarm's warmup (``kwarm_ext.warmup.run`` and
+``after_capture``) and its warm requests (``kwarm_ext.warm_requests.run``) are sampled: every
+2 ms, the stacks of every thread of the process, written when the call returns as collapsed
+stacks (``thread;file:function;... count``, flame-graph input) to ``profile.<pid>.<what>.txt``
+beside the events file. Sampling, not tracing: the warmup runs at its own speed.
+
 Each event is one line, ``{"t": wall clock, "pid", "proc", "kind", "name", "s", ...}``, appended
 with a single ``write`` (O_APPEND) so that processes never interleave. The benchmark assigns an
 event to the request whose time window holds it. Caches that compile without a Python entry point
@@ -201,6 +207,80 @@ def _install(log_path):
         except Exception:
             pass
 
+    class Sampler:
+        """Every `interval` seconds, the stacks of every other thread, counted by collapsed stack."""
+
+        def __init__(self, what, interval=0.002):
+            self.what, self.interval, self.counts = what, interval, {}
+            self.done = None
+
+        def __enter__(self):
+            import threading
+
+            self.done = threading.Event()
+            self.me = threading.get_ident()
+            self.thread = threading.Thread(target=self._loop, name="serve-probe-sampler", daemon=True)
+            self.started = time.perf_counter()
+            self.thread.start()
+            return self
+
+        def _loop(self):
+            import threading
+
+            mine = threading.get_ident()
+            while not self.done.wait(self.interval):
+                names = {t.ident: t.name for t in threading.enumerate()}
+                for ident, frame in sys._current_frames().items():
+                    if ident == mine:
+                        continue
+                    stack = []
+                    while frame is not None:
+                        code = frame.f_code
+                        stack.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+                        frame = frame.f_back
+                    key = ";".join([("caller" if ident == self.me else names.get(ident, "?"))] + stack[::-1])
+                    self.counts[key] = self.counts.get(key, 0) + 1
+
+        def __exit__(self, *exc):
+            self.done.set()
+            self.thread.join(1.0)
+            try:
+                path = os.path.join(os.path.dirname(log_path), f"profile.{os.getpid()}.{self.what}.txt")
+                with open(path, "a") as f:
+                    f.write(f"# {self.what}: {time.perf_counter() - self.started:.3f} s, every "
+                            f"{self.interval * 1e3:g} ms\n")
+                    for key, n in sorted(self.counts.items(), key=lambda kv: -kv[1]):
+                        f.write(f"{key} {n}\n")
+            except OSError:
+                pass
+            return False
+
+    def sampled(what, fn):
+        def wrapper(*args, **kwargs):
+            with Sampler(what):
+                return fn(*args, **kwargs)
+        wrapper.__wrapped__ = fn
+        wrapper._serve_probe = True
+        return wrapper
+
+    def on_kwarm_warmup(module):
+        for attr in ("run", "after_capture"):
+            fn = getattr(module, attr, None)
+            if fn is not None and not getattr(fn, "_serve_probe", False):
+                setattr(module, attr, sampled(attr, fn))
+
+    def on_kwarm_warm_requests(module):
+        fn = getattr(module, "run", None)
+        if fn is None or getattr(fn, "_serve_probe", False):
+            return
+
+        async def run(*args, **kwargs):
+            with Sampler("warm_requests"):
+                return await fn(*args, **kwargs)
+
+        run._serve_probe = True
+        module.run = run
+
     hooks = {
         "triton.knobs": on_triton_knobs,
         "flashinfer.jit.core": on_flashinfer_jit_core,
@@ -209,6 +289,8 @@ def _install(log_path):
         "transformers.utils.chat_template_utils": on_chat_template_utils,
         "torch._dynamo.callback": on_dynamo_callback,
     }
+    if os.environ.get("SERVE_PROBE_PROFILE"):
+        hooks.update({"kwarm_ext.warmup": on_kwarm_warmup, "kwarm_ext.warm_requests": on_kwarm_warm_requests})
 
     class Loader:
         def __init__(self, inner, name):
