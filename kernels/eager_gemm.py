@@ -64,9 +64,10 @@ How:
     grid took 9.3 s, against 34.6 s running them. The grid alone leaves about one kernel load
     (2-5 ms) per 14 first calls at counts off it; the fill, none for linear layers. A count not
     warmed still pays cuBLAS's choice, about 0.2-0.3 ms per shape: what learned counts remove.
-    The choice is CPU work torch runs without the GIL: a pass is dealt to up to 8 threads, each
-    capturing on its own side stream (cuBLAS workspace made before capture; thread-local capture
-    mode). Where a thread fails, one thread captures it all; where that fails, the GEMMs run.
+    The capture runs on the calling thread and one side stream (cuBLAS workspace made before
+    capture; thread-local capture mode), not on threads: each thread would keep a cuBLAS handle
+    and workspace for the life of the process, memory taken after vLLM sized its KV cache
+    (``gemm_capture``). Where capture fails, the GEMMs run.
 
 Cost: about 0.21 ms of CPU per problem (cuBLAS's choice; vLLM 0.29.0, one thread), no GPU
 time when captured: published-size DeepSeek-V3.2 exact + grid about 1 s, the full fill (28,487
@@ -123,7 +124,7 @@ class Target:
 
 
 def _capture_room(torch, device_type):
-    """Bytes the capture threads' CUDA graphs may hold: what kwarm's memory bound leaves
+    """Bytes the capture's CUDA graph may hold: what kwarm's memory bound leaves
     (``kwarm_ext.memory``), else half the device's free memory; None off CUDA."""
     if device_type != "cuda":
         return None
@@ -168,7 +169,7 @@ def plan(view, forced) -> list | Plan:
             steps.append(Step(name, KERNEL, skip="no token counts left to warm"))
             continue
         problems += sum(t.calls * len(c) for t, c in work)
-        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted, details, view.tp_size)))
+        steps.append(Step(name, KERNEL, run=_pass(name, work, device_type, budgeted, details)))
     steps.insert(0, cublaslt.cache_step(problems, device_type, details))
     return Plan(steps, lambda: describe(details))
 
@@ -293,10 +294,10 @@ def describe(details: dict) -> dict:
     return {"summary": ", ".join(parts), **details} | ({"left_to_requests": left} if left else {})
 
 
-def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict, tp_size=None):
+def _pass(name: str, work: list, device_type: str | None, budgeted: bool, details: dict):
     """One pass: each target at its counts, largest first; on CUDA captured into CUDA graphs
     that are never replayed (cuBLAS chooses and the driver loads each kernel; the GPU computes
-    nothing), on threads (``gemm_capture``), elsewhere run. A budgeted pass stops when
+    nothing) on this thread (``gemm_capture``), elsewhere run. A budgeted pass stops when
     KWARM_BUDGET is spent."""
     def step():
         import torch
@@ -315,14 +316,10 @@ def _pass(name: str, work: list, device_type: str | None, budgeted: bool, detail
                 else:
                     free = _capture_room(torch, device_type)
                     out_bytes = max(t.out_bytes for t, _ in captured)
-                    threads = gemm_capture.capture_threads(device_type, len(order), tp_size, free, out_bytes)
-                    wanted = gemm_capture.capture_threads(device_type, len(order), tp_size, None, out_bytes)
                     how, note = device_type, ""
                     if free is not None and free < 2 * out_bytes:  # not even one graph's pool: run them, one output at a time
                         how, note = None, f" (kwarm's memory bound leaves {free >> 20} MiB, one CUDA graph needs {2 * out_bytes >> 20})"
-                    elif threads < wanted:
-                        note = f" (kwarm's memory bound leaves {free >> 20} MiB: {threads} of {wanted} threads)"
-                    warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, how, threads)
+                    warmed, left, mode = gemm_capture.capture(calls, order, budgeted, torch, how)
                     mode += note
                 modes.append(mode)
             if ran:
