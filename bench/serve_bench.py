@@ -910,6 +910,9 @@ def run(args) -> int:
             s.stop()
             if s.events_path.exists():
                 shutil.copy(s.events_path, out_dir / f"{name}.{s.name}.events.jsonl")
+            manifest = Path(s.env.get("KWARM_MANIFEST", s.cache / "kwarm-manifest.json"))
+            if manifest.exists():  # what kwarm learned and replayed (a replay that compiled: its entries)
+                shutil.copy(manifest, out_dir / f"{name}.{s.name}.kwarm-manifest.json")
         save()
     print(render([result]))
     return 0
