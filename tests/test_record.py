@@ -263,3 +263,28 @@ def test_records_identity_key_options_and_specialization(tmp_path):
     cast = next(e for e in entries if e["qualname"] == "cast_kernel")  # an IntEnum and a tl dtype
     assert cast["spec"]["constant_vals"] == [1, {"tl_dtype": "fp16"}, 128]
     assert "<Scale.DOUBLE: 1>" in cast["key"] and "triton.language.float16" in cast["key"]
+
+
+def test_learning_compiles_kwarms_noop_kernel_first_so_the_next_start_loads_it(monkeypatch, caplog):
+    """The next start's replay launches kwarm's no-op kernel: a start without a manifest compiles it
+    as learning begins (before the recorder listens), and a failure there only logs at debug."""
+    import logging
+
+    from kwarm_ext import warmup
+    from kwarm_ext.surfaces.triton import learn, preload
+
+    calls = []
+    monkeypatch.setattr(preload, "warm_binder", lambda: calls.append("noop"))
+    monkeypatch.setattr(learn, "begin", lambda view: calls.append("begin") or "learner")
+    assert warmup._start_learning(object()) == "learner"
+    assert calls == ["noop", "begin"]
+
+    def fails():
+        raise RuntimeError("no GPU driver")
+
+    calls.clear()
+    monkeypatch.setattr(preload, "warm_binder", fails)
+    with caplog.at_level(logging.DEBUG, logger="kwarm"):
+        assert warmup._start_learning(object()) == "learner"
+    assert calls == ["begin"]
+    assert [r.levelno for r in caplog.records if "no-op kernel" in r.getMessage()] == [logging.DEBUG]
