@@ -93,6 +93,16 @@ def cast_kernel(x_ptr, y_ptr, n, SCALE: tl.constexpr, OUT: tl.constexpr, BLOCK: 
     tl.store(y_ptr + offs, x.to(OUT), mask=offs < n)
 
 
+@triton.jit
+def pdl_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, launch_pdl: tl.constexpr):
+    """Like vLLM's Mamba ``causal_conv1d`` kernels: a ``launch_pdl`` constexpr, passed by keyword,
+    which Triton also reads as the compiler option of that name (not in :func:`launch_all`)."""
+    if launch_pdl:
+        tl.extra.cuda.gdc_wait()
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
 def launch_all():
     """The "production" launches of these kernels, compile-only (``warmup``/``warmup=True``:
     nothing can run without a GPU). Autotuned: one launch per tuning key through the

@@ -375,3 +375,57 @@ def test_a_failed_key_cache_seed_or_binder_priming_is_quiet_but_strict_raises(mo
         replay._settle(replay.ReplayState(path="m.json"), job, "compiled")
     with pytest.raises(AttributeError):
         replay._attempt(broken, "primed")
+
+
+PDL_LEARN = """
+import dataclasses, json, torch
+import replay_kernels as rk
+rk.install_fake_driver()
+from kwarm_ext.surfaces.triton import compat, hook
+records = []
+hook.listen(lambda kwargs: records.append(compat.describe_compile(kwargs)))
+rk.pdl_kernel.warmup(torch.float16, torch.float16, 100, BLOCK=128, launch_pdl=True, grid=(1,))
+print(json.dumps(dataclasses.asdict(records[0])))
+"""
+
+PDL_REPLAY = """
+import json, os, types, triton
+import replay_kernels as rk
+rk.install_fake_driver()
+from kwarm_ext.surfaces.triton import preload
+with open(os.environ["PDL_RECORD"]) as f:
+    record = json.load(f)
+hits = []
+triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw.get("cache_hit")))
+job = preload.preload_job("pdl", types.SimpleNamespace(jit=rk.pdl_kernel), record["key"], record["spec"],
+                          record["launch_options"], lambda ref: None)
+kernel = preload.preload(job)
+print(json.dumps({"cache_hits": hits, "launch_pdl": kernel.metadata.launch_pdl,
+                  "options": json.loads(job.spec_json)["options"]}))
+"""
+
+
+def test_a_replayed_kernel_with_a_launch_pdl_parameter_is_the_binary_its_launch_compiled(tmp_path):
+    """vLLM passes ``launch_pdl=True`` to kernels with a ``launch_pdl`` constexpr: Triton reads it as
+    the compiler option too, which the in-memory key does not show. The replay, in a fresh process on
+    the same disk cache, must compile with it: a disk-cache hit, and a kernel that launches with PDL."""
+    env = env_for(tmp_path)
+    learned = last_json(run_py(PDL_LEARN, env=env))
+    assert learned["launch_options"] == {"debug": False, "instrumentation_mode": ""}
+    (tmp_path / "record.json").write_text(json.dumps(learned))
+    replayed = last_json(run_py(PDL_REPLAY, env={**env, "PDL_RECORD": str(tmp_path / "record.json")}))
+    assert (replayed["cache_hits"], replayed["launch_pdl"]) == ([True], True)
+    assert replayed["options"]["launch_pdl"] is True
+
+
+def test_options_named_by_parameters_are_allow_listed_in_range_constexprs_the_key_does_not_name():
+    from kwarm_ext.surfaces.triton import preload
+
+    spec = {"signature": {"x_ptr": "*fp16", "n": "i32", "launch_pdl": "constexpr", "num_warps": "constexpr",
+                          "BLOCK": "constexpr"},
+            "constant_keys": [[2], [3], [4]], "constant_vals": [True, 3, 128]}
+    assert preload.options_named_by_parameters(spec, {"debug": False}) == {"launch_pdl": True}, \
+        "num_warps=3 is out of range, BLOCK is no option"
+    assert preload.options_named_by_parameters(spec, {"launch_pdl": False}) == {}, "the key's own option wins"
+    spec["constant_vals"] = ["yes", 4, 128]
+    assert preload.options_named_by_parameters(spec, {}) == {"num_warps": 4}

@@ -33,7 +33,7 @@ def preload_job(label: str, kernel: "triton_compat.ResolvedKernel", key: str, sp
     """Decode an entry's constants into what ``preload`` reads; objects JSON can't carry
     (functions, torch dtypes, tuples) become placeholders that :func:`preload` swaps back.
     `resolve_function` turns ``module:qualname`` into a JITFunction (and enforces the allow-list)."""
-    data = dict(spec, options=dict(options), key=key)
+    data = dict(spec, options={**options_named_by_parameters(spec, options), **options}, key=key)
     vals, injected = [], {}
     for path, encoded in zip(spec["constant_keys"], spec["constant_vals"]):
         plain = _preload_form(encoded)
@@ -46,6 +46,34 @@ def preload_job(label: str, kernel: "triton_compat.ResolvedKernel", key: str, sp
     if injected and not hasattr(type(kernel.jit), "_do_compile"):
         raise ValueError("constexpr objects need Triton >= 3.5")
     return PreloadJob(label, kernel.jit, key, json.dumps(data), injected)
+
+
+def options_named_by_parameters(spec: dict, options: dict) -> dict:
+    """The compiler options a launch set through keyword arguments that are also parameters of the
+    kernel: allow-listed option names (``manifest.LAUNCH_OPTIONS``) among its constexprs, with
+    their values, where those values are in range and `options` (the key's) does not name them.
+
+    Why: Triton's launch binds such a keyword to the parameter *and* parses it as a compiler
+    option (``JITFunction._pack_args``: ``backend.parse_options(kwargs)``). vLLM passes
+    ``launch_pdl=...`` to kernels with a ``launch_pdl`` constexpr (Mamba's ``causal_conv1d``,
+    ``gather_initial_states``, LoRA's ops) and gets a launch with programmatic dependent launch.
+    The in-memory key carries it as the parameter only, so a replay compiled with the key's options
+    alone built another binary under the same key: Triton's disk cache missed, and Qwen3-Next's first
+    warm restart compiled two learned ``_causal_conv1d_update_kernel`` entries for real (0.24 and
+    0.26 s, H100, vLLM 0.33.0), kernels that then launched without PDL. A launch that passed the
+    argument by position set no option; where its value is the option's default (False) both agree,
+    and where it is True the kernel itself waits on the previous grid (``gdc_wait``), as a PDL
+    launch needs."""
+    from kwarm_ext import manifest
+
+    index = {name: i for i, name in enumerate(spec.get("signature") or {})}
+    found = {}
+    for path, value in zip(spec.get("constant_keys") or (), spec.get("constant_vals") or ()):
+        for name, i in index.items():
+            check = manifest.LAUNCH_OPTIONS.get(name)
+            if check is not None and name not in options and list(path) == [i] and check(value):
+                found[name] = value
+    return found
 
 
 _OBJECT = object()
