@@ -38,6 +38,11 @@ What a user can see:
       step, 0.20-0.34), and given back after. Where a release has no such slot, they are counted,
       and the summary line says so;
     - with ``--enable-log-requests`` vLLM logs them, under request ids starting ``kwarm-warm-``;
+    - nothing from vLLM's tool parsers: the warm tool calls stop after a few tokens, inside the
+      call, and a parser that reads one logs an exception (vLLM 0.33.0's Hermes parser: an ERROR
+      and a 12-line traceback at every start of ``kwarm run -- vllm serve --tool-call-parser
+      hermes``, H100). What the tool parsers' loggers log while the warm requests run is held
+      back (:class:`_HeldParserLog`), and the summary line counts it;
     - GPU memory: the long prompt's first chunk is a full ``max_num_batched_tokens`` step, the one
       vLLM's profile run sized its activations for, so nvidia-smi shows the engine near its serving
       peak before ready rather than at the first large request (DeepSeek-V3.2 dimensions at 0.92 on
@@ -300,6 +305,34 @@ async def send(app, request: WarmRequest, index: int, disconnect: asyncio.Event 
     return outcome
 
 
+class _HeldParserLog(logging.Filter):
+    """While the warm requests run, the records of vLLM's tool-parser loggers (every logger whose
+    name has ``tool_parser`` in it: ``vllm.tool_parsers.*`` on 0.3x, ``vllm.entrypoints.openai.
+    tool_parsers.*`` before) are dropped and counted; any other record passes. A filter on each of
+    those loggers, removed after: the parsers' modules are imported once the app is built."""
+
+    def __init__(self):
+        super().__init__("kwarm-warm-requests")
+        self.held = 0
+        self.loggers: list = []
+
+    def filter(self, record) -> bool:
+        self.held += 1
+        return False
+
+    def __enter__(self):
+        names = [n for n in list(logging.Logger.manager.loggerDict) if "tool_parser" in n]
+        self.loggers = [logging.getLogger(n) for n in names]
+        for lg in self.loggers:
+            lg.addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        for lg in self.loggers:
+            lg.removeFilter(self)
+        return False
+
+
 class _HeldMetrics:
     """vLLM's stat-logger manager held back while the warm requests run (see the module's doc)."""
 
@@ -372,7 +405,7 @@ async def run(app) -> dict | None:
     t0 = time.perf_counter()
     health = await asgi_request(app, "GET", "/health")  # Starlette builds the middleware stack here
     outcomes: list[Outcome] = []
-    with _HeldMetrics(engine_client) as held:
+    with _HeldMetrics(engine_client) as held, _HeldParserLog() as parser_log:
         for index, request in enumerate(requests):
             left = TOTAL_LIMIT_S - (time.perf_counter() - t0)
             if left <= 0:
@@ -382,7 +415,7 @@ async def run(app) -> dict | None:
     reset = await reset_prefix_cache(engine_client)
     seconds = time.perf_counter() - t0
     summary = {"seconds": round(seconds, 3), "health": health[0], "prefix_cache_reset": reset,
-               "metrics_held": held.held or held.manager is None,
+               "metrics_held": held.held or held.manager is None, "parser_log_held": parser_log.held,
                "requests": [dataclasses.asdict(o) for o in outcomes]}
     failed = [o for o in outcomes if o.error]
     for o in outcomes:
@@ -390,6 +423,9 @@ async def run(app) -> dict | None:
     traces = [("prefix cache reset" if reset else "the prefix cache could NOT be reset: it holds their blocks"),
               ("vLLM's metrics did not count them" if summary["metrics_held"]
                else "vLLM's metrics count them (this release has no stat-logger slot to hold)")]
+    if parser_log.held:
+        traces.append(f"{parser_log.held} tool-parser log record{'s' if parser_log.held > 1 else ''} on their "
+                      "truncated tool calls held back")
     text = (f"kwarm: warm requests: {len(outcomes) - len(failed)} of {len(outcomes)} kinds ran through vLLM's "
             f"API in {seconds:.2f} s, before the server listens; {'; '.join(traces)}")
     if failed:
