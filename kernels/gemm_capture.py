@@ -10,11 +10,12 @@ cuBLAS's kernels, loaded over a 174-count grid of 10 weight shapes, took 72 MiB.
 taken after vLLM sized its KV cache, from the margin vLLM leaves or a neighbouring server's share:
 with 4 capture threads (4 handles and workspaces: about 0.4 GB), kwarm's engine at
 ``--gpu-memory-utilization 0.92`` held 0.26-0.5 GB more than vLLM alone's at the same stages of
-its start (published-size Qwen3-Next, vLLM 0.33.0, H100, nvidia-smi every 0.5 s). What threads bought was small: a kernel grid of 907
-problems, whose time is mostly the driver loading kernels, took as long on 8 threads as on one
-(0.9 s); the budgeted fill ran about 2x faster on 8 (16,280 problems in 1.55 s, published-size
-Qwen3-Next, vLLM 0.29.0), so one thread warms about half as many of its counts in the same
-budget. The calling thread's handle exists already (vLLM's profile run made it); one side
+its start (published-size Qwen3-Next, vLLM 0.33.0, H100, nvidia-smi every 0.5 s). What threads
+bought was small: a kernel grid of 907 problems, whose time is mostly the driver loading
+kernels, took as long on 8 threads as on one (0.9 s); the budgeted fill ran about 2x faster on 8
+(16,280 problems in 1.55 s, published-size Qwen3-Next, vLLM 0.29.0), so one thread warms about
+half as many of its counts in the same budget (``bench/gemm_capture_threads.py`` measures both
+on a GPU; not run yet). The calling thread's handle exists already (vLLM's profile run made it); one side
 stream, kept for the process, adds one workspace (32 MiB on Hopper).
 
 Why a memory bound: the CUDA graph keeps a memory pool for the outputs of its captured calls,

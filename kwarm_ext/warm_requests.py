@@ -42,7 +42,8 @@ What a user can see:
       call, and a parser that reads one logs an exception (vLLM 0.33.0's Hermes parser: an ERROR
       and a 12-line traceback at every start of ``kwarm run -- vllm serve --tool-call-parser
       hermes``, H100). What the tool parsers' loggers log while the warm requests run is held
-      back (:class:`_HeldParserLog`), and the summary line counts it;
+      back (:class:`_HeldParserLog`), and the summary line counts it (it can go when vLLM's tool
+      parsers stop logging a traceback for a call cut short by ``max_tokens``);
     - GPU memory: the long prompt's first chunk is a full ``max_num_batched_tokens`` step, the one
       vLLM's profile run sized its activations for, so nvidia-smi shows the engine near its serving
       peak before ready rather than at the first large request (DeepSeek-V3.2 dimensions at 0.92 on
