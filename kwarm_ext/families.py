@@ -149,7 +149,7 @@ FAMILIES = {
                "cuBLAS GEMMs of the unquantized linear layers, the LM head and MLA's absorbed "
                "attention at the token counts that run outside CUDA graphs: exact small and learned "
                "counts and a kernel grid, then a fill within KWARM_BUDGET; captured, not run, on CUDA, "
-               "on up to 8 threads (the MoE router gate runs through its own forward)",
+               "on the calling thread (the MoE router gate runs through its own forward)",
                "none: no release warms GEMM shapes outside CUDA-graph capture (0.20-0.34), but the MoE router "
                "gate's own small-count GEMM (0.28+), which kwarm leaves to vLLM"),
         Family("v2_warmup", "kwarm_ext.kernels.v2_warmup",

@@ -24,7 +24,7 @@ It is enforced, not only reported: for the warmup's duration torch's caching all
 (``torch.cuda.set_per_process_memory_fraction``) at what it had reserved or at the allocated bytes
 plus the bound, whichever is larger, so an allocation past it is an ``OutOfMemoryError`` inside
 one kwarm step (one warning, the step skipped, the next runs) and never memory taken from the KV
-cache or a neighbour. Families size their work to :func:`room` (``eager_gemm``'s capture threads).
+cache or a neighbour. Families size their work to :func:`room` (``eager_gemm``'s CUDA graph).
 After each family the allocator's cached blocks that kwarm grew are returned
 (``torch.cuda.empty_cache``), and the cap is lifted when the warmup ends.
 
