@@ -390,36 +390,84 @@ def start_stages(lines, launched: float) -> dict:
 
 
 class GpuMemory:
-    """The device's used memory (``nvidia-smi``, every `interval` s) while a server runs alone on it
-    (``--one-at-a-time``): ``timeline`` [[seconds since `t0`, MiB], ...] and ``peak_mib``."""
+    """The device's used memory (nvidia-smi's ``memory.used``, every `interval` s) while a server runs
+    alone on it (``--one-at-a-time``): ``timeline`` [[seconds since `t0`, MiB], ...] and ``peak_mib``;
+    which process held what, every `apps_interval` s.
 
-    def __init__(self, t0: float, interval: float = 0.5):
-        self.t0, self.interval, self.samples = t0, interval, []
+    One ``nvidia-smi --loop-ms`` process prints the samples: a vLLM CUDA-graph capture holds its
+    peak for about a second, and one nvidia-smi call per sample (50-100 ms, two a sample with the
+    process list) sampled every 0.6-0.7 s, so a peak could fall between samples (the published
+    0.92 results before 2026-12-07: 0.5 s asked). Where that process gives nothing, one call per
+    sample, as before. The process list comes from its own thread; the peak's is the latest one."""
+
+    def __init__(self, t0: float, interval: float = 0.1, apps_interval: float = 0.5):
+        self.t0, self.interval, self.apps_interval, self.samples = t0, interval, apps_interval, []
         self.processes: dict = {}  # label -> the most MiB it held (gpu_processes_mib)
         self.at_peak: list = []  # who held what at the peak sample
+        self._apps: list = []  # the latest process list
+        self._peak = -1
+        self._loop = None  # the nvidia-smi --loop-ms process
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-memory", daemon=True)
+        self._apps_thread = threading.Thread(target=self._run_apps, name="gpu-processes", daemon=True)
 
     def __enter__(self):
+        self._apps = gpu_processes_mib()  # the first sample's, before either thread runs
+        self._apps_thread.start()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
+        loop = self._loop
+        if loop is not None and loop.poll() is None:
+            loop.terminate()
         self._thread.join(timeout=5)
+        self._apps_thread.join(timeout=5)
+        if loop is not None and loop.poll() is None:
+            loop.kill()
+
+    def _sample(self, mib: int) -> None:
+        self.samples.append([round(time.time() - self.t0, 2), mib])
+        if mib >= self._peak:
+            self._peak, self.at_peak = mib, list(self._apps)
 
     def _run(self):
-        peak = -1
+        if not self._run_loop():
+            while not self._stop.is_set():
+                mib = gpu_used_mib()
+                if mib is not None:
+                    self._sample(mib)
+                self._stop.wait(self.interval)
+
+    def _run_loop(self) -> bool:
+        """Samples from one ``nvidia-smi --loop-ms`` process; False where it gave none."""
+        try:
+            self._loop = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0",
+                 f"--loop-ms={max(10, int(self.interval * 1000))}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:  # no nvidia-smi here
+            return False
+        got = False
+        for line in self._loop.stdout:
+            try:
+                mib = int(line.strip())
+            except ValueError:
+                continue
+            got = True
+            self._sample(mib)
+            if self._stop.is_set():
+                break
+        return got
+
+    def _run_apps(self):
         while not self._stop.is_set():
-            mib = gpu_used_mib()
-            if mib is not None:
-                self.samples.append([round(time.time() - self.t0, 1), mib])
-                apps = gpu_processes_mib()
-                for label, used in apps:
-                    self.processes[label] = max(used, self.processes.get(label, 0))
-                if mib >= peak:
-                    peak, self.at_peak = mib, apps
-            self._stop.wait(self.interval)
+            apps = gpu_processes_mib()
+            self._apps = apps
+            for label, used in apps:
+                self.processes[label] = max(used, self.processes.get(label, 0))
+            self._stop.wait(self.apps_interval)
 
     def summary(self, every: float = 2.0) -> dict:
         """Peak, and a timeline thinned to one sample per `every` s that keeps every sample's maximum."""
@@ -1161,7 +1209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="each server alone on the GPU, in turn (plain, then kwarm), its GPU memory sampled every "
-                         "0.5 s with nvidia-smi: for production memory, e.g. --gpu-util 0.92 --kv-bytes ''")
+                         "0.1 s with nvidia-smi: for production memory, e.g. --gpu-util 0.92 --kv-bytes ''")
     ap.add_argument("--share-flashinfer-cache", action="store_true",
                     help="one FlashInfer JIT workspace for every server and model of --work (with --one-at-a-time: the "
                          "first server builds its nvcc modules, the later ones load them; saves about 100 s of a start, "

@@ -513,3 +513,30 @@ def test_the_tables_repeat_is_the_median_of_the_kinds_repeats_and_a_single_one_i
               "phases": [{"phase": "cold", "servers": {"plain": {"requests": requests}, "kwarm": {"requests": requests}}}]}
     line = next(l for l in serve_bench.render([result]).splitlines() if l.startswith("| logit-bias"))
     assert line.startswith("| logit-bias | 57.5 | 51.0 | 1.13 |"), line
+
+
+def test_the_memory_sampler_reads_one_nvidia_smi_loop_and_falls_back_to_one_call_a_sample(tmp_path, monkeypatch):
+    """A capture's peak lasts about a second: one ``nvidia-smi --loop-ms`` process samples every
+    0.1 s (a stand-in nvidia-smi on PATH prints three samples, then waits to be stopped); where
+    that process prints nothing, one call a sample, as before."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *--query-compute-apps*) printf '%s, 70000\\n' 999999999 ;;\n"
+                    "  *--loop-ms=100*) printf '71000\\n72000\\n[N/A]\\n71500\\n'; exec sleep 30 ;;\n"
+                    "  *) echo 60000 ;; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    sampler = serve_bench.GpuMemory(time.time())
+    t0 = time.time()
+    with sampler:
+        time.sleep(0.5)
+    assert time.time() - t0 < 5, "stopping ends the loop process"
+    assert [mib for _, mib in sampler.samples] == [71000, 72000, 71500]
+    summary = sampler.summary()
+    assert summary["peak_gpu_mib"] == 72000 and summary["gpu_sample_interval_s"] == 0.1
+    assert summary["gpu_processes_at_peak_mib"] == [["999999999 ?", 70000]]
+    fake.write_text(fake.read_text().replace("*--loop-ms=100*)", "*--loop-ms=100*) exit 1 ;; *--never*)"))
+    sampler = serve_bench.GpuMemory(time.time(), interval=0.05)
+    with sampler:
+        time.sleep(0.3)
+    assert sampler.samples and {mib for _, mib in sampler.samples} == {60000}, "one call a sample"
