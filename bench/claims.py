@@ -57,23 +57,23 @@ def server(model: str, name: str) -> dict:
     return phase_server(model, 0, name)
 
 
-REPEATS = ("repeat", "repeat2", "repeat3")  # serve_bench.REPEATS: "repeat" means their median
-
-
 def req_s(model: str, name: str, kind: str, occurrence: str = "first", phase: int = 0) -> float | None:
     """The request's headline time (TTFT for stream kinds, p99 TTFT for the burst) in seconds, in
-    `phase` (0 cold, 1 the warm restart); for "repeat", the median of the kind's repeats, as the
-    tables show it."""
-    import statistics
+    `phase` (0 cold, 1 the warm restart); for "repeat", the median of the kind's repeats: what the
+    tables show (``serve_bench.headline_time``, ``serve_bench.repeat_time``)."""
+    sb = _bench("serve_bench")
+    row = next((r for r in sb.pairs(phase_server(model, phase, name)["requests"]) if r["kind"] == kind), {})
+    return sb.repeat_time(row) if occurrence == "repeat" else sb.headline_time(row.get(occurrence))
 
-    wanted = REPEATS if occurrence == "repeat" else (occurrence,)
-    times = []
-    for r in phase_server(model, phase, name)["requests"]:
-        if r["kind"] == kind and r["occurrence"] in wanted:
-            if r.get("error"):
-                return None
-            times.append(r["ttft_s"] if r.get("ttft_s") is not None else r["s"])
-    return statistics.median(times) if times else None
+
+def _bench(name: str):
+    """A module of bench/ (serve_bench renders the serving tables, table the engine's; their
+    imports are the standard library's)."""
+    import importlib
+
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    return importlib.import_module(name)
 
 
 def ms(seconds) -> str:
@@ -275,9 +275,7 @@ def fp8_claims() -> list[str]:
     on = {m: engine(ep, f"{m}-2l-fp8-vllm0.29.0-kwarmon-cold") for m in ("glm5", "deepseek-v32")}
     warm = {m: engine(ep, f"{m}-2l-fp8-vllm0.29.0-kwarmon-warm") for m in ("glm5", "deepseek-v32")}
     floor = [engine(fp8, f"{m}-2l-fp8-vllm0.29.0-torch2.13.0-kwarmoff-floor")["init_s"] for m in ("glm5", "deepseek-v32")]
-    sys.path.insert(0, str(ROOT / "bench"))
-    import table
-
+    table = _bench("table")
     dg = [int(re.search(r"(\d+) DeepGEMM", table.jit_cell(r)).group(1)) for r in (glm_off, dsv_off)]
     return [
         f"still compiled {span(dg, str)} DeepGEMM kernels",
@@ -327,9 +325,7 @@ def region(doc: str, start: str, end: str) -> str:
 
 def serving_tables(doc: str) -> list[str]:
     """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import serve_bench
-
+    serve_bench = _bench("serve_bench")
     results = [load(p) for p in sorted([*SERVE.glob("*.serve.json"), *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]

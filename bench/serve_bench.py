@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -112,8 +113,6 @@ KIND_BY_NAME = {k.name: k for k in REQUEST_KINDS}
 
 def content_seed(phase: str, kind: str, occurrence: str) -> int:
     """The same content for both servers; other content for a repeat and for another phase."""
-    import hashlib
-
     return int.from_bytes(hashlib.sha256(f"{phase}/{kind}/{occurrence}".encode()).digest()[:8], "big") % 1_000_003
 
 
@@ -1006,8 +1005,6 @@ def pairs(requests: list[dict]) -> list[dict]:
 
 def repeat_time(row: dict):
     """The median headline time of a kind's repeats (``REPEATS``; results before 2026-12-07 hold one)."""
-    import statistics
-
     times = [t for t in (headline_time(row.get(o)) for o in REPEATS) if t is not None]
     return statistics.median(times) if times else None
 
