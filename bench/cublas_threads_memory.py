@@ -10,7 +10,7 @@ torch; prints JSON. Behind ``kernels/gemm_capture.py``'s one capture thread:
 - ``16_side_threads_*``: after 16 threads, each on its own stream, ran two GEMMs and ended:
   torch's allocated growth (their workspaces) and the growth outside torch (their handles).
 """
-import json, sys, time
+import json, time
 import torch
 
 torch.cuda.init()
@@ -22,9 +22,9 @@ def used():
 def nontorch():
     return used() - torch.cuda.memory_reserved()
 out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "start_used": used(), "start_nontorch": nontorch()}
-shapes = [(7168, 2048), (2048, 7168), (7168, 1536), (1536, 24576), (7168, 576), (512, 32768), (16384, 7168),
-          (7168, 4096), (4096, 7168), (7168, 129280 // 8)]
-ws = [torch.randn(k, n, dtype=torch.bfloat16, device=dev) for k, n in shapes]
+from gemm_capture_threads import SHAPES  # noqa: E402  (bench/, this script's folder)
+
+ws = [torch.randn(k, n, dtype=torch.bfloat16, device=dev) for k, n in SHAPES]
 torch.cuda.synchronize()
 out["after_weights_nontorch"] = nontorch()
 steps = []

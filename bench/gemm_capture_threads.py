@@ -1,7 +1,8 @@
 """What capture threads buy ``eager_gemm`` and what they keep: its grid and fill passes captured
 into CUDA graphs (never replayed) on 1, 2, 4 and 8 threads, each count of threads in a fresh
-process (cuBLAS loads its kernels anew in each), DeepSeek-V3.2-like bf16 weight shapes. Needs one
-CUDA GPU and torch (no vLLM); prints JSON:
+process (cuBLAS loads its kernels anew in each), DeepSeek-V3.2-like bf16 weight shapes, at the
+counts ``eager_gemm`` warms (its own ``kernel_grid`` and ``fill_counts``). Needs one CUDA GPU,
+torch and kwarm installed (``bench/install_kwarm.sh``; no vLLM); prints JSON:
 
     python bench/gemm_capture_threads.py > gemm_capture_threads.json
 
@@ -19,19 +20,12 @@ SHAPES = [(7168, 2048), (2048, 7168), (7168, 1536), (1536, 24576), (7168, 576), 
           (16384, 7168), (7168, 4096), (4096, 7168), (7168, 16160)]
 
 
-def grid(first: int, last: int) -> list:
-    """Counts about 9% apart, as ``eager_gemm.kernel_grid`` spaces them."""
-    counts, m = [], first
-    while m <= last:
-        counts.append(m)
-        m = max(m + 1, int(m * 1.09))
-    return counts
-
-
 def one(threads: int) -> dict:
     import threading
 
     import torch
+
+    from kwarm_ext.kernels.eager_gemm import fill_counts, kernel_grid
 
     dev = torch.device("cuda", 0)
     weights = [torch.randn(k, n, dtype=torch.bfloat16, device=dev) for k, n in SHAPES]
@@ -88,7 +82,7 @@ def one(threads: int) -> dict:
         return {"s": round(time.perf_counter() - t0, 3), "problems": len(problems)}
 
     out = {"threads": threads, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "grid": run_pass(grid(513, 8192)), "fill": run_pass(list(range(1, 513)))}
+           "grid": run_pass(kernel_grid(513, 8192)), "fill": run_pass(fill_counts(1, 512))}
     torch.cuda.empty_cache()
     out["kept_outside_torch_mib"] = round((nontorch() - base_nontorch) / 2**20, 1)
     out["kept_allocated_mib"] = round((torch.cuda.memory_allocated() - base_allocated) / 2**20, 1)
