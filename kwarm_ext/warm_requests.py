@@ -313,7 +313,7 @@ class _HeldParserLog(logging.Filter):
     those loggers, removed after: the parsers' modules are imported once the app is built."""
 
     def __init__(self):
-        super().__init__("kwarm-warm-requests")
+        super().__init__()
         self.held = 0
         self.loggers: list = []
 
