@@ -276,7 +276,7 @@ def start(vllm_config) -> subprocess.Popen | None:
     env.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
     payload = {"facts": facts, "capabilities": [list(c) for c in capabilities]}
     if started == LAUNCH:
-        payload["skip"] = [SAMPLING.name]
+        payload["started"] = [SAMPLING.name]
     proc = _spawn(payload, env)
     logger.info("kwarm: starting the FlashInfer builds this configuration implies in the background from "
                 "launch (pid %d, archs %s)", proc.pid, env["FLASHINFER_CUDA_ARCH_LIST"])
@@ -365,7 +365,7 @@ def main(argv=None) -> int:
         if payload.get("capabilities") is None:
             return launch_main(payload)
         builds, not_predicted = predict(payload["facts"], [tuple(c) for c in payload["capabilities"]],
-                                        started=tuple(payload.get("skip") or ()))
+                                        started=tuple(payload.get("started") or ()))
         note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
         say(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}")
         items = [dataclasses.asdict(b) for b in builds]

@@ -187,7 +187,7 @@ def test_the_config_process_does_not_ask_again_for_the_build_started_at_launch(m
 
     monkeypatch.setattr(early_builds, "_sampler_reason", asked)
     facts = {"runner_type": "generate", "use_mla": True, "heads_per_rank": 128, "nope_rope": [128, 64]}
-    payload = {"facts": facts, "capabilities": [[9, 0]], "skip": ["sampling"]}
+    payload = {"facts": facts, "capabilities": [[9, 0]], "started": ["sampling"]}
     assert early_builds.main(["--predict", json.dumps(payload)]) == 0
     assert built == [early_builds.CONCAT_MLA.spec]
     first = capsys.readouterr().err.splitlines()[0].split("] ", 1)[1]
@@ -245,7 +245,7 @@ def test_vllm_serve_starts_the_sampling_build_at_launch_and_the_config_adds_only
     monkeypatch.setenv(early_builds.STARTED_ENV, early_builds.LAUNCH)
     assert early_builds.start(_dsv32()).pid == 4243
     payload = json.loads(_Popen.started[-1][0][4])
-    assert payload["skip"] == ["sampling"] and payload["capabilities"] == [[9, 0]]
+    assert payload["started"] == ["sampling"] and payload["capabilities"] == [[9, 0]]
 
 
 def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_and_checks_it(monkeypatch, capsys):
