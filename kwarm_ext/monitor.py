@@ -24,6 +24,7 @@ class Compiled:
     key: str
     surface: str = "triton"
     payload: object = dataclasses.field(default=None, compare=False, repr=False)  # the surface's own detail
+    cache_hit: bool | None = dataclasses.field(default=None, compare=False)  # loaded from a disk cache (None: not said)
 
     @property
     def kernel(self) -> str:

@@ -29,6 +29,9 @@ def short_line(results: list) -> str:
             f"{sum(r.status == 'skipped' for r in results)} skipped; "
             f"{sum(r.status == 'failed' for r in results)} failed; "
             f"{sum(len(r.compiled) for r in results)} compiled")
+    loaded = sum(bool(c.get("cache_hit")) for r in results for c in r.compiled)
+    if loaded:
+        text += f" ({loaded} of them loaded from Triton's disk cache)"
     if ran:
         longest = max(ran, key=lambda r: r.seconds)
         text += f"; largest {longest.name} {longest.seconds:.1f} s"

@@ -37,17 +37,18 @@ def last_json(proc):
 @pytest.fixture
 def slot():
     """Triton's hook slot, emptied for the test and restored after it."""
-    saved = knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = None
+    saved, saved_listener = knobs.runtime.jit_post_compile_hook, knobs.compilation.listener
+    knobs.runtime.jit_post_compile_hook = knobs.compilation.listener = None
     yield knobs.runtime
     for listener in list(hook._listeners):
         hook.unlisten(listener)
-    knobs.runtime.jit_post_compile_hook = saved
+    knobs.runtime.jit_post_compile_hook, knobs.compilation.listener = saved, saved_listener
     hook._state.prev, hook._state.installed = None, False
+    hook._state.prev_listener, hook._state.listening = None, False
 
 
-def fire(runtime, name="k"):
-    fn = type("Info", (), {"module": "m", "name": name, "jit_function": None})()
+def fire(runtime, name="k", jit_function=None):
+    fn = type("Info", (), {"module": "m", "name": name, "jit_function": jit_function})()
     return runtime.jit_post_compile_hook(key=f"key-{name}", fn=fn, compile={}, repr="", is_manual_warmup=False,
                                          already_compiled=False)
 
@@ -91,6 +92,30 @@ def test_vllm_jit_monitor_chains_kwarm_and_both_see_each_compile(slot, monkeypat
     hook.unlisten(recorded.append)
     fire(slot, "off")  # vLLM's hook still calls kwarm's, which now only passes through
     assert warned[-1] == "off" and len(recorded) == 3
+
+
+def test_triton_says_which_compiles_were_disk_cache_loads_through_a_chained_listener(slot):
+    """Triton's compilation listener says cache_hit just before the hook, in the same thread: kwarm
+    holds that slot while it listens, chained to the listener before it, and tells each event
+    whether Triton loaded it (None where the listener spoke of another function, or not at all)."""
+    before = []
+    knobs.compilation.listener = lambda **kw: before.append(kw["cache_hit"])
+    kernel, other = object(), object()
+    src = type("Src", (), {"fn": kernel})()
+    with hook.capture() as events:
+        knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        fire(slot, "loaded", kernel)
+        knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+        fire(slot, "built", kernel)
+        knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        fire(slot, "another", other)
+        fire(slot, "unsaid", kernel)  # the listener's word was taken by the hook before
+    assert [(e.name, e.cache_hit) for e in events] == [
+        ("loaded", True), ("built", False), ("another", None), ("unsaid", None)]
+    assert before == [True, False, True]
+    assert knobs.compilation.listener is not hook._compilation_listener  # given back
+    knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert before == [True, False, True, False]
 
 
 def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
@@ -288,3 +313,40 @@ def test_learning_compiles_kwarms_noop_kernel_first_so_the_next_start_loads_it(m
         assert warmup._start_learning(object()) == "learner"
     assert calls == ["begin"]
     assert [r.levelno for r in caplog.records if "no-op kernel" in r.getMessage()] == [logging.DEBUG]
+
+
+CACHE_HIT = """
+import json
+import replay_kernels as rk
+rk.install_fake_driver()
+import torch
+from kwarm_ext import monitor, warmup
+
+with monitor.capture() as events:
+    rk.copy_kernel.warmup(torch.float16, torch.float16, 1024, BLOCK=128, grid=(1,))
+result = warmup.FamilyResult("f", "ran")
+result.compiled = [{"cache_hit": e.cache_hit} for e in events]
+result.seconds = SECONDS
+print(json.dumps({"cache_hit": [e.cache_hit for e in events], "for_real": warmup.compiled_for_real(result)}))
+"""
+
+
+def test_budget_credit_follows_tritons_word_on_disk_cache_loads(tmp_path):
+    """The same compile in two processes sharing a Triton cache: the first compiles (credited to
+    the budget even if it was quick), the second loads (not credited even if it was slow)."""
+    from kwarm_ext import warmup
+
+    env = triton_env(tmp_path)
+    first = run_py(CACHE_HIT.replace("SECONDS", "0.001"), env=env)
+    assert last_json(first) == {"cache_hit": [False], "for_real": True}
+    again = run_py(CACHE_HIT.replace("SECONDS", "10.0"), env=env)
+    assert last_json(again) == {"cache_hit": [True], "for_real": False}
+    unsaid = warmup.FamilyResult("f", "ran")  # where Triton said nothing: by time
+    unsaid.compiled, unsaid.seconds = [{"kernel": "k"}] * 2, 0.2  # 0.1 s a kernel: compiled
+    assert warmup.compiled_for_real(unsaid)
+    unsaid.seconds = 0.02
+    assert not warmup.compiled_for_real(unsaid)
+    from kwarm_ext.report import short_line
+
+    said = warmup.FamilyResult("f", "ran", compiled=[{"cache_hit": True}, {"cache_hit": False}, {}])
+    assert "; 3 compiled (1 of them loaded from Triton's disk cache); largest f " in short_line([said])

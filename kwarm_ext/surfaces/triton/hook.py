@@ -8,6 +8,11 @@ recorder (kwarm_ext/surfaces/triton/learn.py) listens for as long as the process
 installed while it has listeners and removed when the last one leaves, if it still holds the
 slot (if another hook chained on top of it, it stays as a pass-through).
 
+The hook does not say whether Triton compiled the kernel or loaded it from its disk cache; Triton's
+``knobs.compilation.listener`` (3.4+, one slot too) does, just before the hook in the same thread.
+While the hook has listeners kwarm holds that slot as well, chained the same way, and hands the
+listeners ``cache_hit`` (True, False, or None where Triton did not say).
+
 Listeners never break a launch: their exceptions are swallowed. The chained hook's are not
 (vLLM's ``--jit-monitor-mode=error`` must still raise). On a machine without Triton, or with
 ``TRITON_INTERPRET=1`` (nothing compiles), nothing is recorded and ``available`` says so.
@@ -26,6 +31,8 @@ Listener = Callable[[dict], None]  # receives the hook's keyword arguments
 class _HookState:
     installed: bool = False
     prev: Callable | None = None  # the hook found in the slot when kwarm installed its own
+    prev_listener: Callable | None = None  # the compilation listener found in its slot
+    listening: bool = False  # kwarm's compilation listener is in Triton's slot
 
 
 _listeners: list[Listener] = []
@@ -41,15 +48,36 @@ def _hook(**kwargs):
         return None
     _inside.active = True
     try:
+        seen = dict(kwargs, cache_hit=_take_cache_hit(kwargs.get("fn")))
         for listener in list(_listeners):
             try:
-                listener(kwargs)
+                listener(seen)
             except Exception:
                 pass  # a counter or recorder must never break a launch
         prev = _state.prev
         return prev(**kwargs) if prev is not None else None
     finally:
         _inside.active = False
+
+
+def _compilation_listener(**kwargs):
+    """Triton's compilation listener: keep whether this thread's compile hit the disk cache, and
+    for which function, until kwarm's hook takes it; then the listener that was there before."""
+    src = kwargs.get("src")
+    _inside.cache_hit = (getattr(src, "fn", None), kwargs.get("cache_hit"))
+    prev = _state.prev_listener
+    return prev(**kwargs) if prev is not None else None
+
+
+def _take_cache_hit(fn_info):
+    """The cache_hit the compilation listener kept for `fn_info`'s function in this thread (None
+    where it kept none, or kept it for another function: Triton's async compiles, a direct
+    ``triton.compile``)."""
+    kept, _inside.cache_hit = getattr(_inside, "cache_hit", None), None
+    if kept is None or kept[1] is None:
+        return None
+    function = getattr(fn_info, "jit_function", None)
+    return bool(kept[1]) if function is not None and kept[0] is function else None
 
 
 def available() -> bool:
@@ -80,6 +108,11 @@ def unlisten(listener: Listener) -> None:
         if knobs is not None and not _listeners and knobs.runtime.jit_post_compile_hook is _hook:
             knobs.runtime.jit_post_compile_hook = _state.prev
             _state.prev, _state.installed = None, False
+        if knobs is not None and not _listeners and _state.listening:
+            compilation = getattr(knobs, "compilation", None)
+            if getattr(compilation, "listener", None) is _compilation_listener:
+                compilation.listener = _state.prev_listener
+            _state.prev_listener, _state.listening = None, False
 
 
 def ensure() -> bool:
@@ -105,7 +138,8 @@ def compiled(kwargs: dict):
     from kwarm_ext.monitor import Compiled
 
     fn = kwargs.get("fn")
-    return Compiled(str(getattr(fn, "module", "?")), str(getattr(fn, "name", "?")), str(kwargs.get("key")))
+    return Compiled(str(getattr(fn, "module", "?")), str(getattr(fn, "name", "?")), str(kwargs.get("key")),
+                    cache_hit=kwargs.get("cache_hit"))
 
 
 @contextlib.contextmanager
@@ -148,6 +182,10 @@ def _ensure_installed(knobs) -> None:
     SERIALIZER.apply(jit)  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
     _state.prev, _state.installed = current, True
     knobs.runtime.jit_post_compile_hook = _hook
+    compilation = getattr(knobs, "compilation", None)
+    if hasattr(compilation, "listener") and compilation.listener is not _compilation_listener:
+        _state.prev_listener, _state.listening = compilation.listener, True
+        compilation.listener = _compilation_listener
 
 
 def _reaches_us(hook, depth: int = 3) -> bool:
