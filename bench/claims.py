@@ -294,13 +294,28 @@ def fp8_claims() -> list[str]:
     ]
 
 
+def capture_threads_claims() -> list[str]:
+    """``bench/gemm_capture_threads.py`` on the H100: what one capture thread costs and keeps
+    against 4 and 8 (the first and last runs are both one thread)."""
+    runs = load(PUB / "vllm0.33.0-flashinfer-h100" / "gemm_capture_threads.json")["runs"]
+    by = {n: [r for r in runs if r["threads"] == n] for n in (1, 4, 8)}
+    kept = {n: span([r["kept_outside_torch_mib"] for r in by[n]], lambda x: f"{x:.0f}") for n in by}
+    return [
+        f"kept {kept[1]} MiB outside torch after one capture thread, {kept[4]} after 4 and {kept[8]} after 8",
+        f"{by[1][0]['grid']['problems']} grid problems took {span([r['grid']['s'] for r in by[1]], lambda x: f'{x:.2f}')} s "
+        f"on one thread against {span([r['grid']['s'] for r in by[4]], lambda x: f'{x:.2f}')} s on 4, and the fill's "
+        f"{by[1][0]['fill']['problems']} took {span([r['fill']['s'] for r in by[1]], lambda x: f'{x:.2f}')} s against "
+        f"{span([r['fill']['s'] for r in by[4]], lambda x: f'{x:.2f}')} s",
+    ]
+
+
 def readme_claims() -> list[str]:
     return serving_claims() + fp8_claims()[:7]
 
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:]}
+            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:] + capture_threads_claims()}
 
 
 def numbers(text: str) -> list[str]:

@@ -44,6 +44,8 @@ def _docs_copy(tmp_path: Path) -> Path:
     ("BENCHMARKS.md", "| chat-seed | 3059.9 |", "| chat-seed | 3060.0 |", "serving table row"),
     # a table of the run at vLLM's default memory utilization edited
     ("BENCHMARKS.md", "| launch to ready | 212.88 s |", "| launch to ready | 202.88 s |", "serving table row"),
+    # what one capture thread keeps (bench/gemm_capture_threads.py's JSON)
+    ("BENCHMARKS.md", "426 after 4", "246 after 4", "does not say"),
 ])
 def test_a_disagreeing_number_fails(tmp_path, doc, old, new, expect):
     root = _docs_copy(tmp_path)
