@@ -118,6 +118,27 @@ def test_triton_says_which_compiles_were_disk_cache_loads_through_a_chained_list
     assert before == [True, False, True, False]
 
 
+def test_a_compilation_listener_chained_on_top_of_kwarms_keeps_the_whole_chain(slot):
+    calls, kernel = [], object()
+    knobs.compilation.listener = lambda **kw: calls.append("before")
+    hook.listen(calls.append)
+    ours = knobs.compilation.listener
+
+    def on_top(**kw):  # installed after kwarm's, chaining it (as the benchmark's probe does)
+        calls.append("top")
+        return ours(**kw)
+
+    knobs.compilation.listener = on_top
+    hook.unlisten(calls.append)
+    assert knobs.compilation.listener is on_top  # kwarm's stays inside it, a pass-through
+    src = type("Src", (), {"fn": kernel})()
+    with hook.capture() as events:  # listening again neither re-installs nor loops
+        assert knobs.compilation.listener is on_top
+        knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        fire(slot, "k", kernel)
+    assert calls == ["top", "before"] and [e.cache_hit for e in events] == [True]
+
+
 def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
     recorded, other = [], []
     hook.listen(recorded.append)

@@ -63,10 +63,15 @@ def _hook(**kwargs):
 def _compilation_listener(**kwargs):
     """Triton's compilation listener: keep whether this thread's compile hit the disk cache, and
     for which function, until kwarm's hook takes it; then the listener that was there before."""
-    src = kwargs.get("src")
-    _inside.cache_hit = (getattr(src, "fn", None), kwargs.get("cache_hit"))
-    prev = _state.prev_listener
-    return prev(**kwargs) if prev is not None else None
+    if getattr(_inside, "listening", False):  # a chain that loops back here
+        return None
+    _inside.cache_hit = (getattr(kwargs.get("src"), "fn", None), kwargs.get("cache_hit"))
+    _inside.listening = True
+    try:
+        prev = _state.prev_listener
+        return prev(**kwargs) if prev is not None else None
+    finally:
+        _inside.listening = False
 
 
 def _take_cache_hit(fn_info):
@@ -108,10 +113,9 @@ def unlisten(listener: Listener) -> None:
         if knobs is not None and not _listeners and knobs.runtime.jit_post_compile_hook is _hook:
             knobs.runtime.jit_post_compile_hook = _state.prev
             _state.prev, _state.installed = None, False
-        if knobs is not None and not _listeners and _state.listening:
-            compilation = getattr(knobs, "compilation", None)
-            if getattr(compilation, "listener", None) is _compilation_listener:
-                compilation.listener = _state.prev_listener
+        compilation = getattr(knobs, "compilation", None)
+        if not _listeners and _state.listening and getattr(compilation, "listener", None) is _compilation_listener:
+            compilation.listener = _state.prev_listener  # chained on top: stays a pass-through
             _state.prev_listener, _state.listening = None, False
 
 
@@ -183,7 +187,7 @@ def _ensure_installed(knobs) -> None:
     _state.prev, _state.installed = current, True
     knobs.runtime.jit_post_compile_hook = _hook
     compilation = getattr(knobs, "compilation", None)
-    if hasattr(compilation, "listener") and compilation.listener is not _compilation_listener:
+    if hasattr(compilation, "listener") and not _state.listening:  # once: it may be chained on top of
         _state.prev_listener, _state.listening = compilation.listener, True
         compilation.listener = _compilation_listener
 
