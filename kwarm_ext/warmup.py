@@ -43,7 +43,7 @@ class FamilyResult:
     reason: str | None = None
     seconds: float = 0.0
     steps: list = dataclasses.field(default_factory=list)  # {name, kernel, status, variants, reason, seconds}
-    compiled: list = dataclasses.field(default_factory=list)  # {kernel, module, key}
+    compiled: list = dataclasses.field(default_factory=list)  # {kernel, module, key[, surface, cache_hit]}
     details: dict = dataclasses.field(default_factory=dict)  # a family's own outcome (replay's counts)
     memory: dict = dataclasses.field(default_factory=dict)  # its largest step's GPU memory (kwarm_ext.memory)
 
