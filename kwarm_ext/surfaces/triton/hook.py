@@ -115,7 +115,7 @@ def unlisten(listener: Listener) -> None:
             _state.prev, _state.installed = None, False
         compilation = getattr(knobs, "compilation", None)
         if not _listeners and _state.listening and getattr(compilation, "listener", None) is _compilation_listener:
-            compilation.listener = _state.prev_listener  # chained on top: stays a pass-through
+            compilation.listener = _state.prev_listener  # (one chained on top keeps it, a pass-through)
             _state.prev_listener, _state.listening = None, False
 
 
