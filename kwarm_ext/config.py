@@ -38,8 +38,9 @@ VARIABLES = {
                     "time vLLM ran before kwarm's warmup, at least 1 s), `N` seconds, `N%` of that time "
                     "(at least 1 s), or `unlimited`. Work that removes a compile, the token counts this "
                     "deployment stepped at and eager_gemm's kernel grid always run; the budget bounds its fill. "
-                    "A family's time on a start where it compiled is given back (`auto`: up to 14% of that time; "
-                    "the fill keeps at least 1 s after the last of them).",
+                    "A family's time on a start where it compiled is given back, not on one where it loaded its "
+                    "kernels from Triton's disk cache (Triton's `cache_hit` tells them apart, time where Triton "
+                    "does not say; `auto`: up to 14% of that time; the fill keeps at least 1 s after the last of them).",
     "KWARM_COMPILE_PROCESSES": "Processes per worker that compile DeepGEMM's block-FP8 kernels on a cold "
                                "start: `auto` (default: one per core of the worker's share but one, at most "
                                "16) or N (1..1024, at most the worker's cores but one), for a host with more cores.",
