@@ -300,12 +300,15 @@ def capture_threads_claims() -> list[str]:
     runs = load(PUB / "vllm0.33.0-flashinfer-h100" / "gemm_capture_threads.json")["runs"]
     by = {n: [r for r in runs if r["threads"] == n] for n in (1, 4, 8)}
     kept = {n: span([r["kept_outside_torch_mib"] for r in by[n]], lambda x: f"{x:.0f}") for n in by}
+
+    def took(n: int, pass_: str) -> str:
+        return span([r[pass_]["s"] for r in by[n]], lambda x: f"{x:.2f}")
+
     return [
         f"kept {kept[1]} MiB outside torch after one capture thread, {kept[4]} after 4 and {kept[8]} after 8",
-        f"{by[1][0]['grid']['problems']} grid problems took {span([r['grid']['s'] for r in by[1]], lambda x: f'{x:.2f}')} s "
-        f"on one thread against {span([r['grid']['s'] for r in by[4]], lambda x: f'{x:.2f}')} s on 4, and the fill's "
-        f"{by[1][0]['fill']['problems']} took {span([r['fill']['s'] for r in by[1]], lambda x: f'{x:.2f}')} s against "
-        f"{span([r['fill']['s'] for r in by[4]], lambda x: f'{x:.2f}')} s",
+        f"{by[1][0]['grid']['problems']} grid problems took {took(1, 'grid')} s on one thread against "
+        f"{took(4, 'grid')} s on 4, and the fill's {by[1][0]['fill']['problems']} took {took(1, 'fill')} s "
+        f"against {took(4, 'fill')} s",
     ]
 
 
