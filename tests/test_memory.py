@@ -29,6 +29,7 @@ class Allocator:
         self.allocated = allocated
         self.reserved = allocated if reserved is None else reserved
         self.fraction, self.empty_calls = 1.0, 0
+        self.fragmented = 0  # cached bytes empty_cache cannot return (segments that hold a live block)
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
     # what torch.cuda offers
@@ -61,9 +62,11 @@ class Allocator:
 
     def empty_cache(self):
         self.empty_calls += 1
-        self.reserved = self.allocated
+        self.reserved = min(self.reserved, self.allocated + self.fragmented)
 
     def set_per_process_memory_fraction(self, fraction):
+        if not 0 <= fraction <= 1:  # torch's own check
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         self.fraction = fraction
 
     def get_per_process_memory_fraction(self):
@@ -147,9 +150,76 @@ def test_helper_processes_with_cuda_contexts_fit_the_bound_beside_torchs_reserve
     assert device.reserved == 60 * GiB and fit == 4 * GiB // memory.CUDA_CONTEXT_BYTES - 1 == 5
     assert why == "5 of 15 compile processes fit kwarm's memory bound (4.00 GiB left beside torch's 60.00 GiB reserved, 640 MiB a process)"
     assert memory.processes_that_fit(3) == (3, None)
+    assert memory.processes_that_fit(5) == (5, None), "as many as fit: all of them"
+    device.fragmented = GiB  # a cached GiB empty_cache cannot return counts against the cap
+    device.alloc(GiB)
+    device.free(GiB)
+    assert memory.processes_that_fit(15)[0] == 3 * GiB // memory.CUDA_CONTEXT_BYTES - 1 == 3
+    device.fragmented = 0
     device.alloc(int(3.5 * GiB))  # a step holds most of the bound: no process fits
     assert memory.processes_that_fit(15)[0] == 0
     memory.end()
+
+
+def test_the_bound_where_vllm_says_less_or_nothing(device, monkeypatch):
+    """The edges of :func:`memory.headroom`: a requested memory below what torch already holds
+    leaves no room (never a negative bound); CUDA graphs kept out of vLLM's KV-cache sizing are
+    not taken off the bound after capture; with no vLLM number at all, half the device's free."""
+    bound, how = memory.headroom(worker(requested_memory=50 * GiB))
+    assert bound == 0 and "requested memory 50.00 GiB less torch's reserved 62.00 GiB" in how
+    monkeypatch.setattr(memory, "_graphs_taken_from_kv_cache", lambda: False)
+    bound, how = memory.headroom(worker(peak_activation_memory=5 * GiB, cudagraph_memory_estimate=GiB),
+                                 after_capture=True)
+    assert bound == 5 * GiB and "CUDA graphs" not in how
+    bound, how = memory.headroom(worker())
+    assert bound == 9 * GiB and how == "half the device's free 18.00 GiB"
+
+
+def test_the_cap_never_falls_below_what_torch_holds_and_end_restores_the_operators_fraction(device):
+    """Capping below torch's reserved bytes would fail allocations vLLM's own cached blocks could
+    serve; and a fraction the operator (or vLLM) set before kwarm is what the warmup leaves."""
+    device.fraction = 0.95
+    bound = memory.begin(worker(peak_activation_memory=GiB))  # 60 + 1 allocated < 62 reserved
+    assert bound["cap_reserved"] == 62 * GiB and device.fraction == pytest.approx(62 / 80)
+    memory.end()
+    assert device.fraction == 0.95
+
+
+def test_measure_gives_each_steps_peak_and_its_height_above_the_warmups_base(device):
+    with memory.measure() as outside:
+        device.alloc(GiB)
+    assert outside["peak_allocated"] == 61 * GiB and "above_base" not in outside, "no bound: no base"
+    device.free(GiB)
+    memory.begin(worker(peak_activation_memory=4 * GiB))
+    device.alloc(GiB)  # held from an earlier step: the base is the warmup's, not the step's
+    with memory.measure() as used:
+        device.alloc(2 * GiB)
+        device.free(2 * GiB)
+    assert used["allocated_before"] == 61 * GiB and used["peak_allocated"] == 63 * GiB
+    assert used["above_base"] == 3 * GiB
+    device.free(GiB)
+    memory.end()
+
+
+def test_release_collects_tensors_held_only_by_a_reference_cycle(device):
+    import gc
+
+    class Tensor:
+        def __init__(self, n):
+            device.alloc(n)
+            self.n, self.cycle = n, self
+
+        def __del__(self):
+            device.free(self.n)
+
+    Tensor(GiB)
+    gc.disable()
+    try:
+        assert device.allocated == 61 * GiB
+        memory.release()
+        assert device.allocated == device.reserved == 60 * GiB
+    finally:
+        gc.enable()
 
 
 def test_eager_gemm_with_less_memory_than_one_graph_runs_its_gemms_and_says_so(device, monkeypatch):
