@@ -154,11 +154,8 @@ def visible_capabilities() -> list:
 
     if not current_platform.is_cuda():
         return []
-    count = getattr(current_platform, "device_count", None)  # 0.33+: NVML's count of the visible GPUs
-    if count is None:
-        from vllm.utils import cuda_device_count_stateless as count  # before 0.33
     caps = []
-    for i in range(count()):
+    for i in range(current_platform.device_count()):  # NVML's count of the visible GPUs (0.20-0.34)
         cap = current_platform.get_device_capability(i)
         if cap is not None:
             caps.append((int(cap.major), int(cap.minor)))

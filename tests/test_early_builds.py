@@ -396,3 +396,28 @@ def test_each_build_says_its_line_as_it_ends(monkeypatch):
     assert early_builds.main([json.dumps(items)]) == 0
     assert written == ["kwarm: early FlashInfer build: a ready in 0.0 s, after 0 line(s)",
                        "kwarm: early FlashInfer build: b ready in 0.0 s, after 1 line(s)"]
+
+
+def test_the_engine_processes_gpus_are_those_vllms_platform_counts_and_can_read(monkeypatch):
+    """Where the launch cannot read a uniform host from NVML, vLLM's platform says which GPUs the
+    engine will see (``device_count``, every release 0.20-0.34) and what each is; a GPU whose
+    capability it cannot read is left out, and a platform that is not CUDA has none."""
+    import vllm.platforms
+
+    class Platform:  # a CUDA platform: none exists on this machine
+        cuda = True
+
+        def is_cuda(self):
+            return self.cuda
+
+        def device_count(self):
+            return 3
+
+        def get_device_capability(self, i):
+            return None if i == 1 else types.SimpleNamespace(major=9 if i == 0 else 10, minor=0)
+
+    platform = Platform()
+    monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+    assert early_builds.visible_capabilities() == [(9, 0), (10, 0)]
+    platform.cuda = False
+    assert early_builds.visible_capabilities() == []
