@@ -240,6 +240,32 @@ def test_a_request_that_never_ends_is_cancelled_and_aborted_at_the_limit(kwarm_e
     assert engine._logger_ref[0] is engine.logger_manager
 
 
+def test_what_the_line_says_where_vllm_refuses_the_reset_or_has_no_slot_to_hold(kwarm_env, kwarm_log):
+    """vLLM's reset answers False where it refused (0.2x+) and nothing before; a slot that does not
+    hold the client's own manager is not one kwarm can hold: the line says the requests are counted."""
+    from kwarm_ext import warm_requests
+
+    kwarm_env(KWARM_ENABLE="1")
+
+    class Refusing(EngineClient):
+        async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            return False
+
+    engine = Refusing()
+    engine._logger_ref = [StatLoggers()]  # another manager in the slot than the client's own
+    summary = run(warm_requests.run(build_app(engine)))
+    assert summary["prefix_cache_reset"] is False and summary["metrics_held"] is False
+    assert engine.logger_manager is not None, "a manager kwarm did not hold is left where it was"
+    assert ("the prefix cache could NOT be reset: it holds their blocks; vLLM's metrics count them "
+            "(this release has no stat-logger slot to hold)") in kwarm_log.messages(logging.INFO)[-1]
+
+    class Silent(EngineClient):  # before 0.2x: the reset returned nothing
+        async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            self.prefix_cache.clear()
+
+    assert run(warm_requests.run(build_app(Silent())))["prefix_cache_reset"] is True
+
+
 def test_not_selected_or_no_text_generation_sends_nothing(kwarm_env):
     from kwarm_ext import warm_requests
 
