@@ -467,3 +467,14 @@ def test_run_learn_sets_kwarm_learn():
                              capture_output=True, text=True)
     plain = subprocess.run(base + ["--", sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert learned.stdout.split() == ["1", "1"] and plain.stdout.split() == ["1", "None"]
+
+
+def test_a_save_with_nothing_new_creates_the_file_once_and_then_leaves_it_alone(tmp_path):
+    """The first start of a deployment that learned nothing still leaves a manifest (``kwarm
+    manifest show`` finds it); later saves with nothing new do not rewrite it."""
+    path = str(tmp_path / "new" / "m.json")
+    assert manifest_files.save(path, STAMP).added == 0 and manifest_files.load(path).entries == []
+    before = os.stat(path)
+    assert manifest_files.save(path, STAMP).added == 0
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "rewritten with nothing new"

@@ -310,6 +310,21 @@ def test_7_a_save_or_merge_past_what_read_accepts_is_not_written(tmp_path, monke
     assert "cannot write" in capsys.readouterr().out and Path(path).read_text() == before
 
 
+def test_7_a_manifest_of_exactly_the_bound_is_written_and_read_and_one_byte_more_is_not(tmp_path, monkeypatch):
+    path = str(write(tmp_path / "m.json", [entry()], mode=0o600))
+    obj = manifest_files.load(path).as_json()
+    size = len(manifest_files._dumps(obj).encode("utf-8"))
+    monkeypatch.setattr(manifest, "MAX_BYTES", size)
+    manifest_files._write_atomic(path, obj)
+    assert os.path.getsize(path) == size and len(manifest_files.load(path).entries) == 1
+    Path(path).write_text(Path(path).read_text() + " ")  # still valid JSON, one byte past the bound
+    with pytest.raises(BadManifest, match="larger than"):
+        manifest_files.load(path)
+    monkeypatch.setattr(manifest, "MAX_BYTES", size - 1)
+    with pytest.raises(BadManifest, match="not written"):
+        manifest_files._write_atomic(path, obj)
+
+
 def test_9_a_fifo_swapped_in_after_the_check_is_never_opened_for_reading(tmp_path, monkeypatch):
     path = str(write(tmp_path / "m.json", [entry()], mode=0o600))
     real_open, opened = os.open, []
