@@ -478,3 +478,27 @@ def test_a_save_with_nothing_new_creates_the_file_once_and_then_leaves_it_alone(
     assert manifest_files.save(path, STAMP).added == 0
     after = os.stat(path)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "rewritten with nothing new"
+
+
+def test_replay_keeps_an_autotuned_entry_only_where_it_is_a_recorded_winner():
+    """Autotuning compiles every candidate config; replay keeps the entries whose constexprs and
+    launch options are a recorded winner's (the real ``@triton.autotune`` kernel of
+    tests/replay_kernels.py): another warp count, a missing constexpr or another value is left out."""
+    from kwarm_ext.surfaces.triton import compat as triton_compat
+
+    kernel = triton_compat.resolve("replay_kernels", "tuned_kernel")
+    winner = triton_compat.config_to_json(rk.TUNE_CONFIGS[1])  # BLOCK 128, 4 warps
+    chosen = {("replay_kernels", "tuned_kernel", "src"): [winner]}
+    options = {f: winner[f] for f in ("num_warps", "num_stages", "num_ctas", "maxnreg")}
+
+    def entry(block=128, **launch):
+        keys, vals = ([[3]], [{"constexpr": block}]) if block is not None else ([], [])  # BLOCK: parameter 3
+        return types.SimpleNamespace(module="replay_kernels", qualname="tuned_kernel", source_key="src",
+                                     spec={"constant_keys": keys, "constant_vals": vals},
+                                     launch_options={**options, **launch})
+
+    assert replay._is_chosen(entry(), kernel, chosen)
+    assert not replay._is_chosen(entry(num_warps=8), kernel, chosen), "another warp count"
+    assert not replay._is_chosen(entry(block=None), kernel, chosen), "no BLOCK constexpr"
+    assert not replay._is_chosen(entry(block=256), kernel, chosen), "another BLOCK"
+    assert replay._is_chosen(entry(block=256), kernel, {}), "no choice recorded: every candidate"
