@@ -124,3 +124,28 @@ def test_a_missing_folder_kwarm_can_create_is_no_problem(tmp_path):
     (its nearest existing folder is not writable, or is a file) is a problem, said at start."""
     s = parse(KWARM_REPORT=str(tmp_path / "a" / "b" / "r.json"), KWARM_MANIFEST=str(tmp_path / "m" / "m.json"))
     assert s.problems == () and s.report == str(tmp_path / "a" / "b" / "r.json")
+
+
+@pytest.mark.parametrize("var,raw,field,expect,described", [
+    ("KWARM_BUDGET", "0", "budget", ("seconds", 0.0), "0 s"),
+    ("KWARM_BUDGET", "0%", "budget", ("percent", 0.0), "0%"),
+    ("KWARM_BUDGET", "1000%", "budget", ("percent", 1000.0), "1000%"),
+    ("KWARM_BUDGET", "86400s", "budget", ("seconds", 86400.0), "86400 s"),
+    ("KWARM_BUDGET", "2%", "budget", ("percent", 2.0), "auto"),  # the default, said as such
+    ("KWARM_LEARN_INTERVAL", "0", "learn_interval", 0.0, 0.0),
+    ("KWARM_LEARN_INTERVAL", "86400", "learn_interval", 86400.0, 86400.0),
+    ("KWARM_REPLAY_LIMIT", "0", "replay_limit", 0.0, 0.0),
+    ("KWARM_REPLAY_LIMIT", "86400", "replay_limit", 86400.0, 86400.0),
+])
+def test_the_ends_of_each_range_are_accepted(var, raw, field, expect, described):
+    s = parse(**{var: raw})
+    assert (getattr(s, field), s.problems) == (expect, ())
+    assert s.as_dict()[var] == described
+
+
+@pytest.mark.parametrize("var,raw", [("KWARM_BUDGET", "1000.5%"), ("KWARM_BUDGET", "86401"),
+                                     ("KWARM_LEARN_INTERVAL", "86400.5"), ("KWARM_REPLAY_LIMIT", "86400.5"),
+                                     ("KWARM_REPLAY_LIMIT", "-0.1")])
+def test_just_past_each_range_is_one_problem(var, raw):
+    s = parse(**{var: raw})
+    assert len(s.problems) == 1 and var in s.problems[0]
