@@ -139,6 +139,23 @@ def test_a_compilation_listener_chained_on_top_of_kwarms_keeps_the_whole_chain(s
     assert calls == ["top", "before"] and [e.cache_hit for e in events] == [True]
 
 
+def test_the_listener_slot_is_held_again_under_a_hook_chained_on_top_of_kwarms(slot):
+    """vLLM's JIT monitor chains kwarm's hook after warmup, so the hook stays past its last
+    listener while the listener's slot is given back: the next listen must take that slot again,
+    or the families that run after capture lose Triton's word on disk-cache loads."""
+    kernel, seen = object(), []
+    hook.listen(seen.append)
+    ours = slot.jit_post_compile_hook
+    slot.jit_post_compile_hook = lambda **kw: ours(**kw)  # the monitor, installed after warmup
+    hook.unlisten(seen.append)
+    assert knobs.compilation.listener is None
+    src = type("Src", (), {"fn": kernel})()
+    with hook.capture() as events:
+        knobs.compilation.listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+        fire(slot, "k", kernel)
+    assert [e.cache_hit for e in events] == [True]
+
+
 def test_a_hook_that_replaced_kwarms_is_chained_on_the_next_listen(slot):
     recorded, other = [], []
     hook.listen(recorded.append)

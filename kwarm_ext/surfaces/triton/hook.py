@@ -11,7 +11,8 @@ slot (if another hook chained on top of it, it stays as a pass-through).
 The hook does not say whether Triton compiled the kernel or loaded it from its disk cache; Triton's
 ``knobs.compilation.listener`` (3.4+, one slot too) does, just before the hook in the same thread.
 While the hook has listeners kwarm holds that slot as well, chained the same way, and hands the
-listeners ``cache_hit`` (True, False, or None where Triton did not say).
+listeners ``cache_hit`` (True, False, or None where Triton did not say). That second slot can go
+when the hook's own arguments carry ``cache_hit`` (Triton 3.6's do not).
 
 Listeners never break a launch: their exceptions are swallowed. The chained hook's are not
 (vLLM's ``--jit-monitor-mode=error`` must still raise). On a machine without Triton, or with
@@ -175,7 +176,13 @@ def _knobs():
 
 
 def _ensure_installed(knobs) -> None:
-    """Install (or re-install on top of a hook that replaced kwarm's without chaining it)."""
+    """Install (or re-install on top of a hook that replaced kwarm's without chaining it), and
+    hold the compilation listener's slot, whether or not the hook was still in place (vLLM's JIT
+    monitor chains it, and keeps it past the last listener; the listener's slot is given back)."""
+    compilation = getattr(knobs, "compilation", None)
+    if hasattr(compilation, "listener") and not _state.listening:  # once: it may be chained on top of
+        _state.prev_listener, _state.listening = compilation.listener, True
+        compilation.listener = _compilation_listener
     current = knobs.runtime.jit_post_compile_hook
     if current is _hook or (_state.installed and _reaches_us(current)):
         return
@@ -186,10 +193,6 @@ def _ensure_installed(knobs) -> None:
     SERIALIZER.apply(jit)  # Triton 3.4-3.6: any hook breaks kernels with function constexprs
     _state.prev, _state.installed = current, True
     knobs.runtime.jit_post_compile_hook = _hook
-    compilation = getattr(knobs, "compilation", None)
-    if hasattr(compilation, "listener") and not _state.listening:  # once: it may be chained on top of
-        _state.prev_listener, _state.listening = compilation.listener, True
-        compilation.listener = _compilation_listener
 
 
 def _reaches_us(hook, depth: int = 3) -> bool:
