@@ -22,8 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PUB = ROOT / "bench" / "published"
 SERVE = PUB / "vllm0.33.0-flashinfer-h100" / "serve"
 SERVE_092 = PUB / "vllm0.33.0-flashinfer-h100" / "serve-0.92"
+# the tiny pair again at a later commit, each kind's repeat the median of three
+SERVE_MEDIANS = PUB / "vllm0.33.0-flashinfer-h100" / "serve-medians"
 QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
 BIG, BIG_DSV = "qwen3-next-80b-a3b-4l", "deepseek-v32-2l"
+NAMES = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
 
 # Numbers in the checked paragraphs that are settings of the benchmark, not results.
 SETTINGS = {
@@ -40,6 +43,7 @@ REGIONS = [
     ("README.md", "**Measured**", ""),
     ("README.md", "Block-FP8 checkpoints", ""),
     ("BENCHMARKS.md", "**What this shows**", "### tiny-deepseek-v32, cold start"),
+    ("BENCHMARKS.md", "**What this run shows**", "### tiny-deepseek-v32, cold start"),
 ]
 
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
@@ -49,20 +53,21 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def serve(model: str) -> dict:
-    return load(SERVE / f"{model}.serve.json")
+def serve(model: str, folder: Path = SERVE) -> dict:
+    return load(folder / f"{model}.serve.json")
 
 
-def server(model: str, name: str) -> dict:
-    return phase_server(model, 0, name)
+def server(model: str, name: str, folder: Path = SERVE) -> dict:
+    return phase_server(model, 0, name, folder)
 
 
-def req_s(model: str, name: str, kind: str, occurrence: str = "first", phase: int = 0) -> float | None:
+def req_s(model: str, name: str, kind: str, occurrence: str = "first", phase: int = 0,
+          folder: Path = SERVE) -> float | None:
     """The request's headline time (TTFT for stream kinds, p99 TTFT for the burst) in seconds, in
     `phase` (0 cold, 1 the warm restart); for "repeat", the median of the kind's repeats: what the
     tables show (``serve_bench.headline_time``, ``serve_bench.repeat_time``)."""
     sb = _bench("serve_bench")
-    row = next((r for r in sb.pairs(phase_server(model, phase, name)["requests"]) if r["kind"] == kind), {})
+    row = next((r for r in sb.pairs(phase_server(model, phase, name, folder)["requests"]) if r["kind"] == kind), {})
     return sb.repeat_time(row) if occurrence == "repeat" else sb.headline_time(row.get(occurrence))
 
 
@@ -99,16 +104,17 @@ def share(new, old) -> str:
     return f"{100 * new / old:.1f}%"
 
 
-def triton_in_requests(model: str, name: str) -> int:
-    return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0) for r in server(model, name)["requests"])
+def triton_in_requests(model: str, name: str, folder: Path = SERVE) -> int:
+    return sum((r.get("lazy") or {}).get("counts", {}).get("triton", 0)
+               for r in server(model, name, folder)["requests"])
 
 
 def engine(folder: str, name: str) -> dict:
     return load(PUB / folder / f"{name}.json")
 
 
-def phase_server(model: str, phase: int, name: str) -> dict:
-    return serve(model)["phases"][phase]["servers"][name]
+def phase_server(model: str, phase: int, name: str, folder: Path = SERVE) -> dict:
+    return serve(model, folder)["phases"][phase]["servers"][name]
 
 
 def default_memory(model: str) -> dict:
@@ -116,19 +122,20 @@ def default_memory(model: str) -> dict:
     return load(SERVE_092 / f"{model}.serve.json")
 
 
-def over_bar(model: str, phase: int = 0) -> list[tuple[str, float, float]]:
+def over_bar(model: str, phase: int = 0, folder: Path = SERVE) -> list[tuple[str, float, float]]:
     """kwarm's request kinds whose first is over 1.1x its repeat and more than 10 ms over it, in
     `phase` (0 cold, 1 the warm restart)."""
     out = []
-    for kind in dict.fromkeys(r["kind"] for r in phase_server(model, phase, "kwarm")["requests"]):
-        first, repeat = req_s(model, "kwarm", kind, "first", phase), req_s(model, "kwarm", kind, "repeat", phase)
+    for kind in dict.fromkeys(r["kind"] for r in phase_server(model, phase, "kwarm", folder)["requests"]):
+        first = req_s(model, "kwarm", kind, "first", phase, folder)
+        repeat = req_s(model, "kwarm", kind, "repeat", phase, folder)
         if first and repeat and first > 1.1 * repeat and first - repeat > 0.010:
             out.append((kind, first, repeat))
     return out
 
 
-def stage(model: str, name: str, what: str, phase: int = 0) -> float | None:
-    return (phase_server(model, phase, name).get("start_stages") or {}).get(what)
+def stage(model: str, name: str, what: str, phase: int = 0, folder: Path = SERVE) -> float | None:
+    return (phase_server(model, phase, name, folder).get("start_stages") or {}).get(what)
 
 
 def stage_of(server_result: dict, what: str) -> str:
@@ -244,19 +251,69 @@ def benchmarks_claims() -> list[str]:
     ]
 
 
+def medians_claims() -> list[str]:
+    """BENCHMARKS.md's section on the tiny pair's later run (``serve-medians/``: each kind's repeat the
+    median of three; a cold start of both models and a warm restart of Qwen3-Next)."""
+    F, both = SERVE_MEDIANS, (QWEN, DSV)
+    ready = {(m, n): server(m, n, F)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")}
+    warm = {m: server(m, "kwarm", F)["kwarm_warmup_s"][0] for m in both}
+    restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
+    st = lambda m, n, what, phase=0: sec(stage(m, n, what, phase, F))  # noqa: E731
+    cold = {m: over_bar(m, 0, F) for m in both}
+    sb = _bench("serve_bench")
+    within = []
+    for m, xs in cold.items():
+        for kind, first, _ in xs:
+            row = next(r for r in sb.pairs(phase_server(m, 0, "kwarm", F)["requests"]) if r["kind"] == kind)
+            top = max(sb.headline_time(row.get(o)) for o in sb.REPEATS)
+            if first <= top:
+                within.append(f"{NAMES[m]}'s {kind}, {first * 1000:.1f} ms against repeats up to {top * 1000:.1f} ms")
+    words = {1: "One", 2: "Two", 3: "Three", 4: "Four"}
+    before = {k: (a, b) for k, a, b in over_bar(QWEN)}
+    assert "tool-call" in before and "tool-call" in {k for k, _, _ in cold[QWEN]}
+    loaded = phase_server(QWEN, 1, "kwarm", F)["lazy_before_ready"]["counts"].get("triton_disk", 0)
+    return [
+        f"ready in {ready[QWEN, 'kwarm']:.1f} s against {ready[QWEN, 'plain']:.1f} s "
+        f"({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, {share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} "
+        f"of vLLM alone's time; tiny Qwen3-Next, kwarm's warmup {s1(warm[QWEN])} s) and "
+        f"{ready[DSV, 'kwarm']:.1f} s against {ready[DSV, 'plain']:.1f} s "
+        f"({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}; "
+        f"tiny DeepSeek-V3.2, {s1(warm[DSV])} s)",
+        f"kwarm's sampling build was done at {st(QWEN, 'kwarm', 'kwarm early sampling built')} and "
+        f"{st(DSV, 'kwarm', 'kwarm early sampling built')} s and the KV cache sized at "
+        f"{st(QWEN, 'kwarm', 'kv cache sized')} and {st(DSV, 'kwarm', 'kv cache sized')} s (Qwen3-Next/DeepSeek-V3.2); "
+        f"plain `vllm serve` began the build at {st(QWEN, 'plain', 'sampling build started')} and "
+        f"{st(DSV, 'plain', 'sampling build started')} s and sized its KV cache at "
+        f"{st(QWEN, 'plain', 'kv cache sized')} and {st(DSV, 'plain', 'kv cache sized')} s",
+        f"Compiles in requests after ready: {span([triton_in_requests(m, 'plain', F) for m in both], str)} for "
+        f"`vllm serve`, {sum(triton_in_requests(m, 'kwarm', F) for m in both)} with kwarm on both models",
+        f"cold: {over_text(cold)}; on the warm restart, {over_text({QWEN: over_bar(QWEN, 1, F)})}",
+        f"{words[len(within)]} of them lie within their own repeats' spread ({'; '.join(within)})",
+        f"Qwen3-Next's cold tool call is over the bar in both runs ({ms(before['tool-call'][0])} against "
+        f"{ms(before['tool-call'][1])} ms in the section above)",
+        f"The first warm restart** (Qwen3-Next): {pct(restart['kwarm'], restart['plain'])} ({restart['kwarm']:.1f} "
+        f"against {restart['plain']:.1f} s); kwarm's warmup took {s1(phase_server(QWEN, 1, 'kwarm', F)['kwarm_warmup_s'][0])} s, "
+        f"and kwarm's server compiled {warm_compiles(QWEN, 1, F)} Triton kernels for real before ready (it loaded "
+        f"{loaded} from Triton's disk cache), where the first restart above compiled {warm_compiles(QWEN)}",
+        f"kwarm's engine process started at {st(QWEN, 'kwarm', 'engine', 1)} s against {st(QWEN, 'plain', 'engine', 1)} s "
+        f"after launch, its KV cache was sized at {st(QWEN, 'kwarm', 'kv cache sized', 1)} s against "
+        f"{st(QWEN, 'plain', 'kv cache sized', 1)} s and its graphs captured at {st(QWEN, 'kwarm', 'graphs captured', 1)} s "
+        f"against {st(QWEN, 'plain', 'graphs captured', 1)} s",
+    ]
+
+
 def over_text(over: dict) -> str:
     """The kinds over the 1.1x / 10 ms bar per model, or that none is."""
     if not any(over.values()):
         return "every kind's first within 1.1x or 10 ms of its repeat on both models"
-    names = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
-    return "; ".join(f"{names[m]}'s " + " and ".join(f"{k} ({ms(a)} against {ms(b)} ms)" for k, a, b in xs)
+    return "; ".join(f"{NAMES[m]}'s " + " and ".join(f"{k} ({ms(a)} against {ms(b)} ms)" for k, a, b in xs)
                      for m, xs in over.items() if xs)
 
 
-def warm_compiles(model: str, phase: int = 1) -> int:
+def warm_compiles(model: str, phase: int = 1, folder: Path = SERVE) -> int:
     """Real Triton compiles (not loads from its disk cache) before ready in kwarm's warm restart
     (`phase` 1 the first, 2 the second)."""
-    return phase_server(model, phase, "kwarm")["lazy_before_ready"]["counts"].get("triton", 0)
+    return phase_server(model, phase, "kwarm", folder)["lazy_before_ready"]["counts"].get("triton", 0)
 
 
 def big_triton(name: str, model: str = BIG) -> int:
@@ -312,13 +369,27 @@ def capture_threads_claims() -> list[str]:
     ]
 
 
+def readme_medians_claims() -> list[str]:
+    """README's sentence on the tiny pair's later run (``serve-medians/``)."""
+    F = SERVE_MEDIANS
+    ready = {(m, n): server(m, n, F)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
+    restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
+    return [
+        f"A later run (each first against the median of three repeats): ready in "
+        f"{share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} and {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])} "
+        f"of vLLM alone's time cold, a first warm restart of {pct(restart['kwarm'], restart['plain'])} on Qwen3-Next",
+        f"Qwen3-Next's first cold tool call still {ms(req_s(QWEN, 'kwarm', 'tool-call', folder=F))} against "
+        f"{ms(req_s(QWEN, 'kwarm', 'tool-call', 'repeat', folder=F))} ms",
+    ]
+
+
 def readme_claims() -> list[str]:
-    return serving_claims() + fp8_claims()[:7]
+    return serving_claims() + readme_medians_claims() + fp8_claims()[:7]
 
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + fp8_claims()[7:] + capture_threads_claims()}
+            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + fp8_claims()[7:] + capture_threads_claims()}
 
 
 def numbers(text: str) -> list[str]:
@@ -344,7 +415,8 @@ def region(doc: str, start: str, end: str) -> str:
 def serving_tables(doc: str) -> list[str]:
     """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON."""
     serve_bench = _bench("serve_bench")
-    results = [load(p) for p in sorted([*SERVE.glob("*.serve.json"), *SERVE_092.glob("*.serve.json")])]
+    results = [load(p) for p in sorted([*SERVE.glob("*.serve.json"), *SERVE_MEDIANS.glob("*.serve.json"),
+                                        *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
     have = [line for line in section.splitlines() if line.startswith("|")]
