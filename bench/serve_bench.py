@@ -148,6 +148,12 @@ def build_request(kind: Kind, seed: int, model: str, long_words: int = 6000) -> 
 REPEATS = ("repeat", "repeat2", "repeat3")
 
 
+def kinds_of(args) -> tuple[Kind, ...]:
+    """The kinds ``--kinds`` names, in the plan's order (all of them without it)."""
+    names = None if args.kinds is None else {k.strip() for k in args.kinds.split(",")}
+    return tuple(k for k in REQUEST_KINDS if names is None or k.name in names)
+
+
 def request_plan(kinds=REQUEST_KINDS) -> list[tuple[Kind, str]]:
     """Every kind's first occurrence, then its repeats (other content each), in order."""
     return [(kind, occurrence) for kind in kinds for occurrence in ("first", *REPEATS)]
@@ -605,8 +611,9 @@ class Server:
         return data.decode("utf-8", "replace").splitlines(), start + len(data)
 
 
-def server_env(base: dict, root: Path, name: str) -> dict:
-    """`base` without backend-forcing variables, with caches, HOME and the probe of its own."""
+def server_env(base: dict, root: Path, name: str, kwarm_env: dict | None = None) -> dict:
+    """`base` without backend-forcing variables, with caches, HOME and the probe of its own; kwarm's
+    server also gets `kwarm_env` (``--kwarm-env``: a variant of kwarm, e.g. a family left out)."""
     cache = root / "cache"
     env = {k: v for k, v in base.items() if k not in FORCING_ENV and not k.startswith("KWARM_")}
     for sub in ("home", "xdg", "triton", "vllm", "inductor", "flashinfer", "cutedsl", "tilelang"):
@@ -623,6 +630,7 @@ def server_env(base: dict, root: Path, name: str) -> dict:
     if name == "kwarm":
         env["KWARM_REPORT"] = str(root / "kwarm-report.json")
         env["KWARM_MANIFEST"] = str(cache / "kwarm-manifest.json")
+        env.update(kwarm_env or {})
     return env
 
 
@@ -725,7 +733,8 @@ def send(client, kind: Kind, body: dict, seed: int = 0) -> dict:
     return out
 
 
-def measure_phase(servers: list[Server], phase: str, model: str, long_words: int, deadline: float, log) -> dict:
+def measure_phase(servers: list[Server], phase: str, model: str, long_words: int, deadline: float, log,
+                  kinds=REQUEST_KINDS) -> dict:
     """Every request of the plan on each ready server, one at a time, alternating servers per kind."""
     from openai import OpenAI
 
@@ -736,7 +745,7 @@ def measure_phase(servers: list[Server], phase: str, model: str, long_words: int
     offsets = {s.name: s.log_lines(0)[1] for s in servers}
     marks = {s.name: time.time() for s in servers}
     between = {s.name: [] for s in servers}
-    for kind, occurrence in request_plan():
+    for kind, occurrence in request_plan(kinds):
         seed = content_seed(phase, kind.name, occurrence)
         body = build_request(kind, seed, "bench", long_words)
         for s in servers:
@@ -893,7 +902,7 @@ def run(args) -> int:
     for i, sname in enumerate(args.servers):
         root = work / sname
         root.mkdir()
-        env = server_env(base, root, sname)
+        env = server_env(base, root, sname, dict(e.split("=", 1) for e in args.kwarm_env))
         if args.share_flashinfer_cache:  # the first server builds FlashInfer's modules, the next loads them
             shared = Path(args.work).resolve() / "flashinfer-shared"  # beside every model's folder: one build
             shared.mkdir(parents=True, exist_ok=True)
@@ -902,7 +911,7 @@ def run(args) -> int:
     result = {"schema": SCHEMA, "model": name, "model_path": str(model_src), "versions": versions(), "gpu": gpu_name(),
               "args": {k: v for k, v in vars(args).items() if k not in ("table",)}, "tokenizer": tokenizer,
               "long_prompt_words": long_words, "dropped_env": dropped, "commands": {s.name: s.cmd for s in servers},
-              "request_kinds": [{"name": k.name, "api": k.api, "note": k.note} for k in REQUEST_KINDS],
+              "request_kinds": [{"name": k.name, "api": k.api, "note": k.note} for k in kinds_of(args)],
               "phases": [], "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started))}
 
     def save():
@@ -941,7 +950,8 @@ def run(args) -> int:
                     if ready:
                         with sync_lock(args.sync_lock, exclusive=True) as waited:
                             phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
-                            measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log)
+                            measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log,
+                                                     kinds_of(args))
                             for s in group:  # stopped before the lock goes: a server's shutdown is CPU
                                 s.stop()     # that the next benchmark's first requests would share
                         for sname, rec in measured.items():
@@ -1203,6 +1213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` argument (repeatable)")
     ap.add_argument("--restarts", type=int, default=1, help="warm restarts on the same caches after the cold start")
     ap.add_argument("--no-learn", dest="learn", action="store_false", help="kwarm run without --learn")
+    ap.add_argument("--kwarm-env", action="append", default=[], metavar="KWARM_NAME=VALUE",
+                    help="one more variable of kwarm's server (repeatable; e.g. KWARM_WARMUPS=-eager_gemm)")
+    ap.add_argument("--kinds", help="comma list of request kinds to send (default: all of them)")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds a start may take")
     ap.add_argument("--sync-lock", metavar="FILE", help="a lock file shared with benchmarks beside this one")
     ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")
@@ -1240,6 +1253,14 @@ def main(argv=None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"serve_bench: {args.model}: no config.json there", file=sys.stderr)
         return 1
+    bad_env = [e for e in args.kwarm_env if not re.fullmatch(r"KWARM_[A-Z0-9_]+=.*", e)]
+    if bad_env:
+        ap.error(f"--kwarm-env: expected KWARM_NAME=VALUE, got {bad_env[0]!r}")
+    if args.kinds is not None:
+        names = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        unknown = [k for k in names if k not in KIND_BY_NAME]
+        if unknown or not names:
+            ap.error(f"--kinds: expected some of {', '.join(KIND_BY_NAME)}, got {args.kinds!r}")
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown or not args.servers:

@@ -18,6 +18,10 @@
 #                          character but A-Z a-z 0-9 _ turned into _), e.g.
 #                          MODEL_ARGS_deepseek_v32_2l="--gpu-util 0.3 --kv-bytes 8G"
 #   BENCH_ARGS=""          extra serve_bench.py arguments of every model (e.g. "--restarts 0")
+#   VARIANTS=""            "name=ARGS|name=ARGS|...": instead of the models side by side, the first of
+#                          MODELS once per variant, side by side, each with its own serve_bench.py ARGS
+#                          and results under $OUT/<name>/ (an A/B of kwarm's parts), e.g.
+#                          VARIANTS="kwarm=--servers kwarm|no-eager-gemm=--servers kwarm --kwarm-env KWARM_WARMUPS=-eager_gemm"
 #   SEQUENTIAL=0           1: one model after another, each with the budget left (two servers on the GPU
 #                          at a time: published dimensions, where four servers do not fit or start slowly)
 #   BUDGET=560             seconds for the whole script
@@ -40,7 +44,11 @@ rm -rf "$WORK" && mkdir -p "$OUT" "$FINAL_OUT"
 FINAL_OUT=$(cd "$FINAL_OUT" && pwd)
 pack() {
   tar czf "$FINAL_OUT/serve-results.tgz" -C "$OUT" . 2>/dev/null
-  cp -f "$OUT"/table.md "$OUT"/*.serve.json "$FINAL_OUT/" 2>/dev/null; true
+  cp -f "$OUT"/table.md "$OUT"/*.serve.json "$FINAL_OUT/" 2>/dev/null
+  for d in "$OUT"/*/; do  # VARIANTS' results
+    set -- "$d"*.serve.json
+    [ -e "$1" ] && mkdir -p "$FINAL_OUT/$(basename "$d")" && cp -f "$@" "$FINAL_OUT/$(basename "$d")/"
+  done; true
 }
 trap pack EXIT
 unset KWARM_ENABLE KWARM_REPORT KWARM_WARMUPS KWARM_MANIFEST KWARM_LEARN
@@ -60,6 +68,31 @@ install_kwarm || exit 1
 
 i=0
 pids=()
+if [ -n "${VARIANTS:-}" ]; then
+  m=${MODELS%% *}
+  IFS='|' read -ra variants <<< "$VARIANTS"
+  for v in "${variants[@]}"; do
+    name=${v%%=*}; vargs=${v#*=}
+    mkdir -p "$OUT/$name"
+    left=$(( BUDGET - ($(date +%s) - START) - 25 ))
+    # shellcheck disable=SC2086
+    (cd /tmp && PYTHONUNBUFFERED=1 "$PY" "$OLDPWD/bench/serve_bench.py" "$OLDPWD/bench/models/$m" --out "$OUT/$name" \
+       --work "$WORK/runs-$name" --port $((8100 + 10 * i)) --sync-lock "$WORK/requests.lock" --budget "$left" \
+       $BENCH_ARGS $vargs) >"$OUT/$name.bench.log" 2>&1 &
+    pids+=($!)
+    i=$((i + 1))
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for v in "${variants[@]}"; do
+    name=${v%%=*}
+    echo "== $name"; grep -E "ready in|NOT READY|Traceback|Error" "$OUT/$name.bench.log" | head -10
+    (cd /tmp && "$PY" "$OLDPWD/bench/serve_bench.py" --table "$OUT/$name"/*.serve.json) >"$OUT/$name/table.md" 2>&1
+    { echo "## variant $name: ${v#*=}"; cat "$OUT/$name/table.md"; } >>"$OUT/table.md"
+  done
+  cat "$OUT/table.md"
+  echo "serve_run: $(( $(date +%s) - START )) s"
+  exit 0
+fi
 for m in $MODELS; do
   var="MODEL_ARGS_${m//[^A-Za-z0-9_]/_}"
   left=$(( BUDGET - ($(date +%s) - START) - 25 ))

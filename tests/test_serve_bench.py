@@ -255,6 +255,35 @@ def test_servers_never_get_a_backend_forcing_variable_and_each_has_its_own_cache
         assert plain[key] != kwarm[key] and Path(plain[key]).is_dir()
 
 
+def test_kwarm_env_reaches_kwarms_server_alone(tmp_path):
+    """``--kwarm-env``: a variant of kwarm's server (a family left out, learning off) beside the
+    others; the base environment's KWARM_ variables still never reach either server."""
+    base = {"PATH": "/bin", "KWARM_WARMUPS": "sampler"}
+    extra = {"KWARM_WARMUPS": "-eager_gemm"}
+    plain = serve_bench.server_env(base, tmp_path / "plain", "plain", extra)
+    kwarm = serve_bench.server_env(base, tmp_path / "kwarm", "kwarm", extra)
+    assert "KWARM_WARMUPS" not in plain and kwarm["KWARM_WARMUPS"] == "-eager_gemm"
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--kwarm-env", "WARMUPS=-eager_gemm"], "--kwarm-env: expected KWARM_NAME=VALUE"),
+    (["--kinds", "json-schema,no-such-kind"], "--kinds: expected some of"),
+    (["--kinds", ","], "--kinds: expected some of"),
+])
+def test_a_bad_variant_or_kind_is_refused_in_one_line(capsys, argv, error):
+    with pytest.raises(SystemExit):
+        serve_bench.main([str(BENCH / "models" / "tiny-qwen3-next"), *argv])
+    assert error in capsys.readouterr().err
+
+
+def test_kinds_keeps_the_plans_order():
+    namespace = serve_bench.main.__globals__["argparse"].Namespace
+    assert [k.name for k in serve_bench.kinds_of(namespace(kinds="tool-call, json-schema"))] == ["json-schema", "tool-call"]
+    assert serve_bench.kinds_of(namespace(kinds=None)) == serve_bench.REQUEST_KINDS
+    plan = serve_bench.request_plan(serve_bench.kinds_of(namespace(kinds="penalties")))
+    assert [(k.name, o) for k, o in plan] == [("penalties", o) for o in ("first", *serve_bench.REPEATS)]
+
+
 def test_the_kwarm_server_runs_through_kwarm_run(tmp_path):
     args = serve_bench.main.__globals__["argparse"].Namespace(
         max_model_len=12288, gpu_util=0.2, kv_bytes="4G", serve_arg=["--enforce-eager"], learn=True)
