@@ -295,11 +295,27 @@ def medians_claims() -> list[str]:
         f"against {restart['plain']:.1f} s); kwarm's warmup took {s1(phase_server(QWEN, 1, 'kwarm', F)['kwarm_warmup_s'][0])} s, "
         f"and kwarm's server compiled {warm_compiles(QWEN, 1, F)} Triton kernels for real before ready (it loaded "
         f"{loaded} from Triton's disk cache), where the first restart above compiled {warm_compiles(QWEN)}",
+        steady_text(),
         f"kwarm's engine process started at {st(QWEN, 'kwarm', 'engine', 1)} s against {st(QWEN, 'plain', 'engine', 1)} s "
         f"after launch, its KV cache was sized at {st(QWEN, 'kwarm', 'kv cache sized', 1)} s against "
         f"{st(QWEN, 'plain', 'kv cache sized', 1)} s and its graphs captured at {st(QWEN, 'kwarm', 'graphs captured', 1)} s "
         f"against {st(QWEN, 'plain', 'graphs captured', 1)} s",
     ]
+
+
+def steady_text() -> str:
+    """Qwen3-Next's structured requests at steady state (the median of three repeats) in the later
+    run, kwarm's server against plain's, cold and on the warm restart; and the widest gap between the
+    two servers' repeats of those kinds in the earlier run (``serve/``, every phase)."""
+    F = SERVE_MEDIANS
+    rep = lambda n, k, ph, folder=F: req_s(QWEN, n, k, "repeat", ph, folder)  # noqa: E731
+    pair = lambda k, ph: f"{ms(rep('kwarm', k, ph))} against {ms(rep('plain', k, ph))} ms"  # noqa: E731
+    phases = range(len(serve(QWEN)["phases"]))
+    gap = max(abs(rep("kwarm", k, ph, SERVE) - rep("plain", k, ph, SERVE))
+              for k in ("json-schema", "tool-call") for ph in phases)
+    return (f"json-schema {pair('json-schema', 0)} cold and {pair('json-schema', 1)} on the warm restart, "
+            f"tool-call {pair('tool-call', 0)} and {pair('tool-call', 1)} (medians of three); in the section "
+            f"above's run the two servers' repeats of these kinds were within {ms(gap)} ms of each other")
 
 
 def over_text(over: dict) -> str:

@@ -22,6 +22,10 @@
 #                          MODELS once per variant, side by side, each with its own serve_bench.py ARGS
 #                          and results under $OUT/<name>/ (an A/B of kwarm's parts), e.g.
 #                          VARIANTS="kwarm=--servers kwarm|no-eager-gemm=--servers kwarm --kwarm-env KWARM_WARMUPS=-eager_gemm"
+#                          Requests wait for every variant's start (--sync-lock): a variant that starts
+#                          slowly (plain `vllm serve` builds FlashInfer's sampler after its profile run)
+#                          holds back the others' requests; four kwarm variants of tiny Qwen3-Next, each
+#                          building FlashInfer's sampler at once, were ready in 235-242 s (H100)
 #   SEQUENTIAL=0           1: one model after another, each with the budget left (two servers on the GPU
 #                          at a time: published dimensions, where four servers do not fit or start slowly)
 #   BUDGET=560             seconds for the whole script
