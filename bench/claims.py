@@ -146,10 +146,25 @@ def sec(seconds) -> str:
     return f"{seconds:.0f}"
 
 
+def cold_ready(folder: Path = SERVE) -> dict:
+    """Launch to ready of each tiny model's servers in the cold start, by (model, server)."""
+    return {(m, n): server(m, n, folder)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
+
+
+def ready_phrase(folder: Path = SERVE) -> str:
+    """Both tiny models' cold starts: kwarm against vLLM alone, and kwarm's warmup."""
+    ready = cold_ready(folder)
+    warm = {m: server(m, "kwarm", folder)["kwarm_warmup_s"][0] for m in (QWEN, DSV)}
+    return (f"ready in {ready[QWEN, 'kwarm']:.1f} s against {ready[QWEN, 'plain']:.1f} s "
+            f"({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, {share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} "
+            f"of vLLM alone's time; tiny Qwen3-Next, kwarm's warmup {s1(warm[QWEN])} s) and "
+            f"{ready[DSV, 'kwarm']:.1f} s against {ready[DSV, 'plain']:.1f} s "
+            f"({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}; "
+            f"tiny DeepSeek-V3.2, {s1(warm[DSV])} s)")
+
+
 def serving_claims(headline: bool = True) -> list[str]:
     """Phrases about the serving benchmark: README's headline (`headline`), else BENCHMARKS.md's."""
-    ready = {(m, n): server(m, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
-    warm = {m: server(m, "kwarm")["kwarm_warmup_s"][0] for m in (QWEN, DSV)}
     restart = {(m, n): phase_server(m, 1, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
     again = {(m, n): phase_server(m, 2, n)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
     kinds = len(serve(QWEN)["request_kinds"])
@@ -173,12 +188,7 @@ def serving_claims(headline: bool = True) -> list[str]:
         f"{ms(f(QWEN, 'kwarm', 'long-prompt'))} and {ms(f(QWEN, 'kwarm', 'burst'))} ms",
         f"its long prompt's repeat: {ms(f(DSV, 'plain', 'long-prompt', 'repeat'))} ms, after a first of "
         f"{ms(f(DSV, 'plain', 'long-prompt'))} ms; kwarm's first: {ms(f(DSV, 'kwarm', 'long-prompt'))} ms",
-        f"ready in {ready[QWEN, 'kwarm']:.1f} s against {ready[QWEN, 'plain']:.1f} s "
-        f"({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, {share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} "
-        f"of vLLM alone's time; tiny Qwen3-Next, kwarm's warmup {s1(warm[QWEN])} s) and "
-        f"{ready[DSV, 'kwarm']:.1f} s against {ready[DSV, 'plain']:.1f} s "
-        f"({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}; "
-        f"tiny DeepSeek-V3.2, {s1(warm[DSV])} s)",
+        ready_phrase(),
         f"{big['kwarm']['launch_to_ready_s']:.1f} s against {big['plain']['launch_to_ready_s']:.1f} s "
         f"({pct(big['kwarm']['launch_to_ready_s'], big['plain']['launch_to_ready_s'])}, "
         f"{share(big['kwarm']['launch_to_ready_s'], big['plain']['launch_to_ready_s'])}), the same "
@@ -255,8 +265,6 @@ def medians_claims() -> list[str]:
     """BENCHMARKS.md's section on the tiny pair's later run (``serve-medians/``: each kind's repeat the
     median of three; a cold start of both models and a warm restart of Qwen3-Next)."""
     F, both = SERVE_MEDIANS, (QWEN, DSV)
-    ready = {(m, n): server(m, n, F)["launch_to_ready_s"] for m in both for n in ("plain", "kwarm")}
-    warm = {m: server(m, "kwarm", F)["kwarm_warmup_s"][0] for m in both}
     restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
     st = lambda m, n, what, phase=0: sec(stage(m, n, what, phase, F))  # noqa: E731
     cold = {m: over_bar(m, 0, F) for m in both}
@@ -273,12 +281,7 @@ def medians_claims() -> list[str]:
     assert "tool-call" in before and "tool-call" in {k for k, _, _ in cold[QWEN]}
     loaded = phase_server(QWEN, 1, "kwarm", F)["lazy_before_ready"]["counts"].get("triton_disk", 0)
     return [
-        f"ready in {ready[QWEN, 'kwarm']:.1f} s against {ready[QWEN, 'plain']:.1f} s "
-        f"({pct(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])}, {share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} "
-        f"of vLLM alone's time; tiny Qwen3-Next, kwarm's warmup {s1(warm[QWEN])} s) and "
-        f"{ready[DSV, 'kwarm']:.1f} s against {ready[DSV, 'plain']:.1f} s "
-        f"({pct(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}, {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])}; "
-        f"tiny DeepSeek-V3.2, {s1(warm[DSV])} s)",
+        ready_phrase(F),
         f"kwarm's sampling build was done at {st(QWEN, 'kwarm', 'kwarm early sampling built')} and "
         f"{st(DSV, 'kwarm', 'kwarm early sampling built')} s and the KV cache sized at "
         f"{st(QWEN, 'kwarm', 'kv cache sized')} and {st(DSV, 'kwarm', 'kv cache sized')} s (Qwen3-Next/DeepSeek-V3.2); "
@@ -388,7 +391,7 @@ def capture_threads_claims() -> list[str]:
 def readme_medians_claims() -> list[str]:
     """README's sentence on the tiny pair's later run (``serve-medians/``)."""
     F = SERVE_MEDIANS
-    ready = {(m, n): server(m, n, F)["launch_to_ready_s"] for m in (QWEN, DSV) for n in ("plain", "kwarm")}
+    ready = cold_ready(F)
     restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
     return [
         f"A later run (each first against the median of three repeats): ready in "

@@ -72,19 +72,25 @@ install_kwarm || exit 1
 
 i=0
 pids=()
+# bench LOG MODEL OUT WORK ARGS...: one serve_bench.py in the background on the next port pair, with
+# the budget left and the shared request lock
+bench() {
+  local log=$1 m=$2 out=$3 work=$4 left
+  shift 4
+  left=$(( BUDGET - ($(date +%s) - START) - 25 ))
+  (cd /tmp && PYTHONUNBUFFERED=1 "$PY" "$OLDPWD/bench/serve_bench.py" "$OLDPWD/bench/models/$m" --out "$out" \
+     --work "$work" --port $((8100 + 10 * i)) --sync-lock "$WORK/requests.lock" --budget "$left" "$@") >"$log" 2>&1 &
+  pids+=($!)
+  i=$((i + 1))
+}
 if [ -n "${VARIANTS:-}" ]; then
   m=${MODELS%% *}
   IFS='|' read -ra variants <<< "$VARIANTS"
   for v in "${variants[@]}"; do
     name=${v%%=*}; vargs=${v#*=}
     mkdir -p "$OUT/$name"
-    left=$(( BUDGET - ($(date +%s) - START) - 25 ))
     # shellcheck disable=SC2086
-    (cd /tmp && PYTHONUNBUFFERED=1 "$PY" "$OLDPWD/bench/serve_bench.py" "$OLDPWD/bench/models/$m" --out "$OUT/$name" \
-       --work "$WORK/runs-$name" --port $((8100 + 10 * i)) --sync-lock "$WORK/requests.lock" --budget "$left" \
-       $BENCH_ARGS $vargs) >"$OUT/$name.bench.log" 2>&1 &
-    pids+=($!)
-    i=$((i + 1))
+    bench "$OUT/$name.bench.log" "$m" "$OUT/$name" "$WORK/runs-$name" $BENCH_ARGS $vargs
   done
   for p in "${pids[@]}"; do wait "$p"; done
   for v in "${variants[@]}"; do
@@ -99,13 +105,8 @@ if [ -n "${VARIANTS:-}" ]; then
 fi
 for m in $MODELS; do
   var="MODEL_ARGS_${m//[^A-Za-z0-9_]/_}"
-  left=$(( BUDGET - ($(date +%s) - START) - 25 ))
   # shellcheck disable=SC2086
-  (cd /tmp && PYTHONUNBUFFERED=1 "$PY" "$OLDPWD/bench/serve_bench.py" "$OLDPWD/bench/models/$m" --out "$OUT" \
-     --work "$WORK/runs" --port $((8100 + 10 * i)) --sync-lock "$WORK/requests.lock" --budget "$left" \
-     $BENCH_ARGS ${!var:-}) >"$OUT/$m.bench.log" 2>&1 &
-  pids+=($!)
-  i=$((i + 1))
+  bench "$OUT/$m.bench.log" "$m" "$OUT" "$WORK/runs" $BENCH_ARGS ${!var:-}
   if [ "$SEQUENTIAL" = 1 ]; then wait "$!"; fi
 done
 for p in "${pids[@]}"; do wait "$p"; done
