@@ -904,7 +904,8 @@ def run(args) -> int:
         root.mkdir()
         env = server_env(base, root, sname, dict(e.split("=", 1) for e in args.kwarm_env))
         if args.share_flashinfer_cache:  # the first server builds FlashInfer's modules, the next loads them
-            shared = Path(args.work).resolve() / "flashinfer-shared"  # beside every model's folder: one build
+            shared = (Path(args.work).resolve() / "flashinfer-shared" if args.share_flashinfer_cache is True
+                      else Path(args.share_flashinfer_cache).resolve())  # beside every model's folder: one build
             shared.mkdir(parents=True, exist_ok=True)
             env["FLASHINFER_WORKSPACE_BASE"] = str(shared)
         servers.append(Server(sname, root, args.port + i, serve_command(model_dir, args.port + i, args, sname == "kwarm"), env))
@@ -965,7 +966,8 @@ def run(args) -> int:
                     for s in group:
                         s.stop()
                         shutil.copy(s.log_path, out_dir / f"{name}.{s.name}.{label}.log")
-                        for profile in s.root.glob("profile.*.txt"):  # SERVE_PROBE_PROFILE's samples
+                        for profile in [*s.root.glob("profile.*.txt"), *s.root.glob("stats.*.jsonl")]:
+                            # SERVE_PROBE_PROFILE's samples, SERVE_PROBE_STATS's lines
                             shutil.move(str(profile), out_dir / f"{name}.{s.name}.{label}.{profile.name}")
                 if sampler is not None:
                     for s in group:
@@ -1222,10 +1224,11 @@ def main(argv=None) -> int:
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="each server alone on the GPU, in turn (plain, then kwarm), its GPU memory sampled every "
                          "0.1 s with nvidia-smi: for production memory, e.g. --gpu-util 0.92 --kv-bytes ''")
-    ap.add_argument("--share-flashinfer-cache", action="store_true",
-                    help="one FlashInfer JIT workspace for every server and model of --work (with --one-at-a-time: the "
-                         "first server builds its nvcc modules, the later ones load them; saves about 100 s of a start, "
-                         "which then is not a cold start)")
+    ap.add_argument("--share-flashinfer-cache", nargs="?", const=True, default=None, metavar="DIR",
+                    help="one FlashInfer JIT workspace for every server and model of --work, or in DIR for benchmarks "
+                         "beside this one too (serve_run.sh's VARIANTS); with --one-at-a-time: the first server builds "
+                         "its nvcc modules, the later ones load them; saves about 100 s of a start, which then is not "
+                         "a cold start")
     ap.add_argument("--memory-chart", nargs="+", metavar=("OUT.svg", "RESULT"),
                     help="write an SVG of each server's GPU memory over time (--one-at-a-time results) and exit")
     args = ap.parse_args(argv)

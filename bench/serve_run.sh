@@ -51,7 +51,7 @@ pack() {
   cp -f "$OUT"/table.md "$OUT"/*.serve.json "$FINAL_OUT/" 2>/dev/null
   for d in "$OUT"/*/; do  # VARIANTS' results
     set -- "$d"*.serve.json
-    [ -e "$1" ] && mkdir -p "$FINAL_OUT/$(basename "$d")" && cp -f "$@" "$FINAL_OUT/$(basename "$d")/"
+    [ $# -gt 0 ] && mkdir -p "$FINAL_OUT/$(basename "$d")" && cp -f "$@" "$FINAL_OUT/$(basename "$d")/"
   done; true
 }
 trap pack EXIT
@@ -89,8 +89,10 @@ if [ -n "${VARIANTS:-}" ]; then
   for v in "${variants[@]}"; do
     name=${v%%=*}; vargs=${v#*=}
     mkdir -p "$OUT/$name"
+    set -f  # words only: KWARM_WARMUPS=-* is a value, not a pattern (nullglob would drop it)
     # shellcheck disable=SC2086
     bench "$OUT/$name.bench.log" "$m" "$OUT/$name" "$WORK/runs-$name" $BENCH_ARGS $vargs
+    set +f
   done
   for p in "${pids[@]}"; do wait "$p"; done
   for v in "${variants[@]}"; do
@@ -105,8 +107,10 @@ if [ -n "${VARIANTS:-}" ]; then
 fi
 for m in $MODELS; do
   var="MODEL_ARGS_${m//[^A-Za-z0-9_]/_}"
+  set -f
   # shellcheck disable=SC2086
   bench "$OUT/$m.bench.log" "$m" "$OUT" "$WORK/runs" $BENCH_ARGS ${!var:-}
+  set +f
   if [ "$SEQUENTIAL" = 1 ]; then wait "$!"; fi
 done
 for p in "${pids[@]}"; do wait "$p"; done

@@ -291,6 +291,8 @@ def _install(log_path):
     }
     if os.environ.get("SERVE_PROBE_PROFILE"):
         hooks.update({"kwarm_ext.warmup": on_kwarm_warmup, "kwarm_ext.warm_requests": on_kwarm_warm_requests})
+    if os.environ.get("SERVE_PROBE_STATS"):
+        hooks.update(_stats(log_path, process_name))
 
     class Loader:
         def __init__(self, inner, name):
@@ -331,6 +333,111 @@ def _install(log_path):
 
     sys.meta_path.insert(0, Finder())
     emit("probe", "installed", argv=" ".join(sys.argv[:3])[:200])
+
+
+STEP_METHODS = {  # module: (class, methods) whose calls the stats time, per process
+    "vllm.v1.engine.core": ("EngineCore", ("step", "step_with_batch_queue", "add_request")),
+    "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", ("execute_model", "sample_tokens")),
+    "vllm.v1.core.sched.scheduler": ("Scheduler", ("schedule", "update_from_output")),
+    "vllm.v1.structured_output": ("StructuredOutputManager", ("grammar_bitmask",)),
+}
+
+
+def _stats(log_path, process_name):
+    """``SERVE_PROBE_STATS``: every 5 s, one line per process in ``stats.<pid>.jsonl`` beside the
+    events file: CPU seconds per thread (Python's thread names where Python knows the thread), the
+    garbage collector's collections and their time per generation, its frozen and tracked counts,
+    and the calls and seconds of the engine's step methods (``STEP_METHODS``). For a server that
+    runs slower than another at steady state: which process, thread or step the time goes to.
+    Returns the import hooks that wrap the step methods."""
+    import gc
+    import json
+    import threading
+    import time
+
+    folder = os.path.dirname(log_path) or "."
+    calls: dict = {}  # "Class.method" -> [calls, seconds]
+    collections = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+    started = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            rec = collections.setdefault(info.get("generation"), [0, 0.0])
+            rec[0] += 1
+            rec[1] += time.perf_counter() - started.pop("t")
+
+    gc.callbacks.append(on_gc)
+
+    def timing(key, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec = calls.setdefault(key, [0, 0.0])
+                rec[0] += 1
+                rec[1] += time.perf_counter() - t0
+        wrapper.__wrapped__ = fn
+        wrapper._serve_probe = True
+        return wrapper
+
+    def hook_for(cls_name, methods):
+        def hook(module):
+            cls = getattr(module, cls_name, None)
+            for attr in methods:
+                fn = cls.__dict__.get(attr) if cls is not None else None
+                if callable(fn) and not getattr(fn, "_serve_probe", False):
+                    setattr(cls, attr, timing(f"{cls_name}.{attr}", fn))
+        return hook
+
+    def threads():
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return out
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            if cpu >= 0.01:
+                out[f"{names.get(int(tid), comm)}:{tid}"] = round(cpu, 2)
+        return out
+
+    def loop():
+        while True:
+            time.sleep(5)
+            try:
+                line = {"t": round(time.time(), 2), "pid": os.getpid(), "proc": process_name(),
+                        "threads": threads(), "gc": {str(k): [v[0], round(v[1], 4)] for k, v in collections.items()},
+                        "gc_count": gc.get_count(), "gc_frozen": gc.get_freeze_count(),
+                        "gc_threshold": gc.get_threshold(), "switch_s": sys.getswitchinterval(),
+                        "calls": {k: [v[0], round(v[1], 4)] for k, v in calls.items()}}
+                with open(os.path.join(folder, f"stats.{os.getpid()}.jsonl"), "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            except Exception:
+                pass
+
+    def start():
+        threading.Thread(target=loop, name="serve-probe-stats", daemon=True).start()
+
+    def in_child():  # a forked process (vLLM's engine core, on some paths) starts without the thread
+        calls.clear()
+        for rec in collections.values():
+            rec[:] = [0, 0.0]
+        start()
+
+    os.register_at_fork(after_in_child=in_child)
+    start()
+    return {module: hook_for(cls, methods) for module, (cls, methods) in STEP_METHODS.items()}
 
 
 if os.environ.get("SERVE_PROBE_LOG"):
