@@ -157,6 +157,39 @@ def test_the_probe_records_each_surface_in_a_real_interpreter(tmp_path, model_di
     assert lazy["n"] == 2 + lazy["counts"]["torch_compile"]
 
 
+STATS = """
+import os, time
+from vllm.v1.structured_output import StructuredOutputManager
+assert getattr(StructuredOutputManager.grammar_bitmask, "_serve_probe", False)
+for _ in range(3):
+    try:
+        StructuredOutputManager.grammar_bitmask(None, {}, {}, {}, {})
+    except Exception:
+        pass
+if os.fork() == 0:  # a forked process keeps its own lines
+    time.sleep(0.6)
+    os._exit(0)
+os.wait()
+time.sleep(0.6)
+"""
+
+
+def test_the_probes_stats_name_each_process_thread_collections_and_step_calls(tmp_path):
+    env = dict(os.environ, SERVE_PROBE_LOG=str(tmp_path / "events.jsonl"), SERVE_PROBE_STATS="0.2",
+               PYTHONPATH=str(BENCH / "serve_probe"), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", STATS], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(tmp_path.glob("stats.*.jsonl"))
+    assert len(files) == 2, "one file per process, the forked one too"
+    lines = {f: [json.loads(x) for x in f.read_text().splitlines()] for f in files}
+    parent = next(v for v in lines.values() if v[-1]["calls"])
+    assert parent[-1]["calls"]["StructuredOutputManager.grammar_bitmask"][0] == 3
+    assert any(name.startswith("MainThread:") for name in parent[-1]["threads"])
+    assert {"0", "1", "2"} <= set(parent[-1]["gc"]) and parent[-1]["switch_s"] > 0
+    child = next(v for v in lines.values() if v is not parent)
+    assert child[-1]["calls"] == {}, "the child counts its own calls"
+
+
 def test_the_probe_is_inert_without_its_variable_and_chains_the_users_sitecustomize(tmp_path):
     user = tmp_path / "user"
     user.mkdir()

@@ -21,6 +21,11 @@ With ``SERVE_PROBE_PROFILE`` set too, kwarm's warmup (``kwarm_ext.warmup.run`` a
 stacks (``thread;file:function;... count``, flame-graph input) to ``profile.<pid>.<what>.txt``
 beside the events file. Sampling, not tracing: the warmup runs at its own speed.
 
+With ``SERVE_PROBE_STATS=SECONDS`` set too, every process writes one line every SECONDS to
+``stats.<pid>.jsonl`` beside the events file: CPU seconds per thread, the garbage collector's
+collections and their time, and the calls and seconds of the engine's step methods (``_stats``),
+for a server that runs slower than another at steady state.
+
 Each event is one line, ``{"t": wall clock, "pid", "proc", "kind", "name", "s", ...}``, appended
 with a single ``write`` (O_APPEND) so that processes never interleave. The benchmark assigns an
 event to the request whose time window holds it. Caches that compile without a Python entry point
@@ -344,7 +349,7 @@ STEP_METHODS = {  # module: (class, methods) whose calls the stats time, per pro
 
 
 def _stats(log_path, process_name):
-    """``SERVE_PROBE_STATS``: every 5 s, one line per process in ``stats.<pid>.jsonl`` beside the
+    """``SERVE_PROBE_STATS=SECONDS`` (e.g. 5): every SECONDS, one line per process in ``stats.<pid>.jsonl`` beside the
     events file: CPU seconds per thread (Python's thread names where Python knows the thread), the
     garbage collector's collections and their time per generation, its frozen and tracked counts,
     and the calls and seconds of the engine's step methods (``STEP_METHODS``). For a server that
@@ -355,6 +360,10 @@ def _stats(log_path, process_name):
     import threading
     import time
 
+    try:
+        every = max(0.1, float(os.environ["SERVE_PROBE_STATS"]))
+    except ValueError:
+        every = 5.0
     folder = os.path.dirname(log_path) or "."
     calls: dict = {}  # "Class.method" -> [calls, seconds]
     collections = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
@@ -414,7 +423,7 @@ def _stats(log_path, process_name):
 
     def loop():
         while True:
-            time.sleep(5)
+            time.sleep(every)
             try:
                 line = {"t": round(time.time(), 2), "pid": os.getpid(), "proc": process_name(),
                         "threads": threads(), "gc": {str(k): [v[0], round(v[1], 4)] for k, v in collections.items()},
