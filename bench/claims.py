@@ -14,6 +14,7 @@ file changed under it, fails tests/test_claims.py. Standard library only.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ SERVE = PUB / "vllm0.33.0-flashinfer-h100" / "serve"
 SERVE_092 = PUB / "vllm0.33.0-flashinfer-h100" / "serve-0.92"
 # the tiny pair again at a later commit, each kind's repeat the median of three
 SERVE_MEDIANS = PUB / "vllm0.33.0-flashinfer-h100" / "serve-medians"
+SERVE_STEADY = PUB / "vllm0.33.0-flashinfer-h100" / "serve-steady"  # tiny Qwen3-Next alone, kwarm's code as serve-medians
 QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
 BIG, BIG_DSV = "qwen3-next-80b-a3b-4l", "deepseek-v32-2l"
 NAMES = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
@@ -44,6 +46,7 @@ REGIONS = [
     ("README.md", "Block-FP8 checkpoints", ""),
     ("BENCHMARKS.md", "**What this shows**", "### tiny-deepseek-v32, cold start"),
     ("BENCHMARKS.md", "**What this run shows**", "### tiny-deepseek-v32, cold start"),
+    ("BENCHMARKS.md", "**At steady state**", "### tiny-qwen3-next, cold start"),
 ]
 
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
@@ -321,6 +324,37 @@ def steady_text() -> str:
             f"above's run the two servers' repeats of these kinds were within {ms(gap)} ms of each other")
 
 
+def steady_claims() -> list[str]:
+    """BENCHMARKS.md's section on tiny Qwen3-Next alone (``serve-steady/``): the cold start, how
+    kwarm's repeats compare with plain's over every kind, and json-schema's repeats in every phase of
+    the three runs."""
+    F = SERVE_STEADY
+    ready = {n: server(QWEN, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
+    sb = _bench("serve_bench")
+    rows = {n: {r["kind"]: r for r in sb.pairs(server(QWEN, n, F)["requests"])} for n in ("plain", "kwarm")}
+    ratios = [sb.repeat_time(rows["kwarm"][k]) / sb.repeat_time(rows["plain"][k]) for k in rows["plain"]]
+    lower = sum(r < 1 for r in ratios)
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    spread = lambda n, k: span([sb.headline_time(rows[n][k][o]) for o in sb.REPEATS], ms)  # noqa: E731
+    rep = lambda n, ph, folder: req_s(QWEN, n, "json-schema", "repeat", ph, folder)  # noqa: E731
+    early = [rep("kwarm", ph, SERVE) - rep("plain", ph, SERVE) for ph in range(len(serve(QWEN)["phases"]))]
+    assert all(d > 0 for d in early)
+    pair = lambda ph, folder: f"{ms(rep('kwarm', ph, folder))} against {ms(rep('plain', ph, folder))} ms"  # noqa: E731
+    return [
+        f"ready in {ready['kwarm']:.1f} s against {ready['plain']:.1f} s ({pct(ready['kwarm'], ready['plain'])}, "
+        f"{share(ready['kwarm'], ready['plain'])} of vLLM alone's time)",
+        f"compiles in requests after ready: {triton_in_requests(QWEN, 'plain', F)} for `vllm serve`, "
+        f"{triton_in_requests(QWEN, 'kwarm', F)} with kwarm",
+        f"kwarm's median repeat was lower than plain's in {lower} of the {len(ratios)} kinds (their ratios' "
+        f"geometric mean {geomean:.2f})",
+        f"plain's own json-schema repeats took {spread('plain', 'json-schema')} ms and kwarm's "
+        f"{spread('kwarm', 'json-schema')} ms",
+        f"json-schema {pair(0, F)} here, {pair(0, SERVE_MEDIANS)} and {pair(1, SERVE_MEDIANS)} in the section above, "
+        f"and slower by at most {ms(max(early))} ms in each of the first run's {len(early)} phases",
+        f"Firsts over the bar (1.1x and 10 ms): {over_text({QWEN: over_bar(QWEN, 0, F)})}",
+    ]
+
+
 def over_text(over: dict) -> str:
     """The kinds over the 1.1x / 10 ms bar per model, or that none is."""
     if not any(over.values()):
@@ -408,7 +442,8 @@ def readme_claims() -> list[str]:
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + fp8_claims()[7:] + capture_threads_claims()}
+            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + fp8_claims()[7:]
+            + capture_threads_claims()}
 
 
 def numbers(text: str) -> list[str]:
@@ -435,7 +470,7 @@ def serving_tables(doc: str) -> list[str]:
     """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON."""
     serve_bench = _bench("serve_bench")
     results = [load(p) for p in sorted([*SERVE.glob("*.serve.json"), *SERVE_MEDIANS.glob("*.serve.json"),
-                                        *SERVE_092.glob("*.serve.json")])]
+                                        *SERVE_STEADY.glob("*.serve.json"), *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
     have = [line for line in section.splitlines() if line.startswith("|")]

@@ -28,6 +28,8 @@
 #                          building FlashInfer's sampler at once, were ready in 235-242 s (H100)
 #   SEQUENTIAL=0           1: one model after another, each with the budget left (two servers on the GPU
 #                          at a time: published dimensions, where four servers do not fit or start slowly)
+#   SERVE_PROBE_STATS=""   e.g. 5: every server process writes its thread CPU, garbage collections and engine
+#                          step times every 5 s (bench/serve_probe/; SERVE_PROBE_PROFILE likewise passes through)
 #   BUDGET=560             seconds for the whole script
 #   WORK=/tmp/kwarm-serve  caches and model copies (not returned)
 set -uo pipefail
