@@ -634,6 +634,19 @@ def server_env(base: dict, root: Path, name: str, kwarm_env: dict | None = None)
     return env
 
 
+def stats_wait() -> float:
+    """With ``SERVE_PROBE_STATS=SECONDS`` (the probe's interval), wait one interval and a half, so
+    that every server process writes a line after the last request (its steps are in no line
+    before); returns the seconds waited."""
+    try:
+        seconds = 1.5 * float(os.environ.get("SERVE_PROBE_STATS") or 0)
+    except ValueError:
+        seconds = 7.5  # the probe's default interval
+    seconds = min(max(seconds, 0.0), 30.0)
+    time.sleep(seconds)
+    return seconds
+
+
 def kwarm_launcher() -> list[str]:
     exe = shutil.which("kwarm")
     if exe:
@@ -953,6 +966,7 @@ def run(args) -> int:
                             phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
                             measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log,
                                                      kinds_of(args))
+                            stats_wait()  # SERVE_PROBE_STATS: each process's line after the last request
                             for s in group:  # stopped before the lock goes: a server's shutdown is CPU
                                 s.stop()     # that the next benchmark's first requests would share
                         for sname, rec in measured.items():

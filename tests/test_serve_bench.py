@@ -160,12 +160,14 @@ def test_the_probe_records_each_surface_in_a_real_interpreter(tmp_path, model_di
 STATS = """
 import os, time
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # Model Runner V2
 assert getattr(StructuredOutputManager.grammar_bitmask, "_serve_probe", False)
 for _ in range(3):
-    try:
-        StructuredOutputManager.grammar_bitmask(None, {}, {}, {}, {})
-    except Exception:
-        pass
+    for call in (StructuredOutputManager.grammar_bitmask, GPUModelRunner.sample_tokens):
+        try:
+            call(None, {}, {}, {}, {})
+        except Exception:
+            pass
 if os.fork() == 0:  # a forked process keeps its own lines
     time.sleep(0.6)
     os._exit(0)
@@ -184,6 +186,9 @@ def test_the_probes_stats_name_each_process_thread_collections_and_step_calls(tm
     lines = {f: [json.loads(x) for x in f.read_text().splitlines()] for f in files}
     parent = next(v for v in lines.values() if v[-1]["calls"])
     assert parent[-1]["calls"]["StructuredOutputManager.grammar_bitmask"][0] == 3
+    steps = [e for line in parent for e in line["steps"].get("GPUModelRunner.sample_tokens", [])]
+    assert len(steps) == 3 and all(t > 1e9 and ms >= 0 for t, ms in steps), "each step once, in one line"
+    assert not any("StructuredOutputManager.grammar_bitmask" in line["steps"] for line in parent)
     assert any(name.startswith("MainThread:") for name in parent[-1]["threads"])
     assert {"0", "1", "2"} <= set(parent[-1]["gc"]) and parent[-1]["switch_s"] > 0
     child = next(v for v in lines.values() if v is not parent)

@@ -343,9 +343,12 @@ def _install(log_path):
 STEP_METHODS = {  # module: (class, methods) whose calls the stats time, per process
     "vllm.v1.engine.core": ("EngineCore", ("step", "step_with_batch_queue", "add_request")),
     "vllm.v1.worker.gpu_model_runner": ("GPUModelRunner", ("execute_model", "sample_tokens")),
+    "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner", ("execute_model", "sample_tokens")),  # Model Runner V2
     "vllm.v1.core.sched.scheduler": ("Scheduler", ("schedule", "update_from_output")),
     "vllm.v1.structured_output": ("StructuredOutputManager", ("grammar_bitmask",)),
 }
+STEP_EVENTS = {"EngineCore.step", "EngineCore.step_with_batch_queue", "GPUModelRunner.execute_model",
+               "GPUModelRunner.sample_tokens"}  # each call kept as [end time, ms] too, for a request's window
 
 
 def _stats(log_path, process_name):
@@ -366,6 +369,8 @@ def _stats(log_path, process_name):
         every = 5.0
     folder = os.path.dirname(log_path) or "."
     calls: dict = {}  # "Class.method" -> [calls, seconds]
+    steps: dict = {}  # STEP_EVENTS' calls since the last line: "Class.method" -> [[end time, ms], ...]
+    steps_lock = threading.Lock()
     collections = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
     started = {}
 
@@ -385,9 +390,13 @@ def _stats(log_path, process_name):
             try:
                 return fn(*args, **kwargs)
             finally:
+                took = time.perf_counter() - t0
                 rec = calls.setdefault(key, [0, 0.0])
                 rec[0] += 1
-                rec[1] += time.perf_counter() - t0
+                rec[1] += took
+                if key in STEP_EVENTS:
+                    with steps_lock:
+                        steps.setdefault(key, []).append([round(time.time(), 4), round(took * 1000, 3)])
         wrapper.__wrapped__ = fn
         wrapper._serve_probe = True
         return wrapper
@@ -425,11 +434,14 @@ def _stats(log_path, process_name):
         while True:
             time.sleep(every)
             try:
+                with steps_lock:
+                    taken = {k: steps.pop(k) for k in list(steps)}
                 line = {"t": round(time.time(), 2), "pid": os.getpid(), "proc": process_name(),
                         "threads": threads(), "gc": {str(k): [v[0], round(v[1], 4)] for k, v in collections.items()},
                         "gc_count": gc.get_count(), "gc_frozen": gc.get_freeze_count(),
                         "gc_threshold": gc.get_threshold(), "switch_s": sys.getswitchinterval(),
-                        "calls": {k: [v[0], round(v[1], 4)] for k, v in calls.items()}}
+                        "calls": {k: [v[0], round(v[1], 4)] for k, v in calls.items()},
+                        "steps": taken}
                 with open(os.path.join(folder, f"stats.{os.getpid()}.jsonl"), "a") as f:
                     f.write(json.dumps(line) + "\n")
             except Exception:
@@ -440,6 +452,7 @@ def _stats(log_path, process_name):
 
     def in_child():  # a forked process (vLLM's engine core, on some paths) starts without the thread
         calls.clear()
+        steps.clear()
         for rec in collections.values():
             rec[:] = [0, 0.0]
         start()

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""The engine's step times inside each request of a serving benchmark run: where a request's time
+goes, server against server (``serve_bench.py`` with ``SERVE_PROBE_STATS`` set).
+
+The probe (``serve_probe/sitecustomize.py``) writes, per server process, each engine step's end
+time and milliseconds (``EngineCore.step_with_batch_queue`` or ``EngineCore.step``, and the model
+runner's ``execute_model`` and ``sample_tokens``). This assigns each step to the request whose
+wall-clock window holds its end (requests run one at a time) and prints, per phase, request kind
+and server, the median over the kind's repeats of: the request's time, its engine steps, their
+summed time and the median step. A request slower on one server with the same steps' sum spent
+its time outside the engine core (the API server, the transport); a slower steps' sum says which
+of the step's parts grew.
+
+    python3 bench/step_times.py bench/results/serve                  # a serve_run.sh output folder
+    python3 bench/step_times.py serve-results.tgz                      # or its archive
+    python3 bench/step_times.py DIR --kinds json-schema,chat-greedy    # some kinds only
+
+Needs only the standard library.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_bench  # noqa: E402
+
+STEP_KEYS = ("EngineCore.step_with_batch_queue", "EngineCore.step")  # one of them runs, per engine
+PART_KEYS = ("GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens")
+
+
+def load_steps(folder: Path, model: str, server: str, phase: str) -> dict:
+    """Every step event of `server`'s processes in `phase`: key -> sorted [[end time, ms], ...]."""
+    out: dict = {}
+    for path in sorted(folder.glob(f"{model}.{server}.{phase}.stats.*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            for key, events in (rec.get("steps") or {}).items():
+                out.setdefault(key, []).extend(e for e in events if isinstance(e, list) and len(e) == 2)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def in_window(events: list, t0: float, t1: float) -> list:
+    return [ms for t, ms in events if t0 <= t <= t1]
+
+
+def request_steps(steps: dict, rec: dict) -> dict:
+    """The engine's steps inside one request record: count, summed and median ms of the step, and
+    the summed ms of each of its parts."""
+    t0, t1 = rec.get("t0"), rec.get("t1")
+    if t0 is None or t1 is None:
+        return {}
+    key = next((k for k in STEP_KEYS if steps.get(k)), None)
+    if key is None:
+        return {}
+    inside = in_window(steps[key], t0, t1)
+    out = {"steps": len(inside), "steps_ms": sum(inside), "step_ms": statistics.median(inside) if inside else None}
+    for part in PART_KEYS:
+        if steps.get(part):
+            out[part.split(".")[-1] + "_ms"] = sum(in_window(steps[part], t0, t1))
+    return out
+
+
+def kind_rows(result: dict, folder: Path, kinds: set | None = None) -> list[dict]:
+    """One row per phase, kind and server: medians over the kind's repeats."""
+    rows = []
+    for phase in result.get("phases", []):
+        for name, server in phase.get("servers", {}).items():
+            steps = load_steps(folder, result["model"], name, phase["phase"])
+            if not steps:
+                continue
+            for pair in serve_bench.pairs(server.get("requests") or []):
+                if kinds and pair["kind"] not in kinds:
+                    continue
+                reps = [pair[o] for o in serve_bench.REPEATS if pair.get(o) and pair[o].get("s") is not None]
+                if not reps:
+                    continue
+                per = [request_steps(steps, r) for r in reps]
+                per = [p for p in per if p]
+                row = {"phase": phase["phase"], "kind": pair["kind"], "server": name,
+                       "request_ms": statistics.median(1000 * r["s"] for r in reps)}
+                for field in ("steps", "steps_ms", "step_ms", "execute_model_ms", "sample_tokens_ms"):
+                    values = [p[field] for p in per if p.get(field) is not None]
+                    row[field] = statistics.median(values) if values else None
+                rows.append(row)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    def num(v, fmt="{:.1f}"):
+        return "—" if v is None else fmt.format(v)
+
+    out = ["| phase | kind | server | request ms | engine steps | steps' sum ms | median step ms | "
+           "execute_model ms | sample_tokens ms | outside the steps ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["phase"], r["kind"], r["server"] != "plain", r["server"])):
+        outside = None if r["steps_ms"] is None else r["request_ms"] - r["steps_ms"]
+        out.append(f"| {r['phase']} | {r['kind']} | {r['server']} | {num(r['request_ms'])} | "
+                   f"{num(r['steps'], '{:g}')} | {num(r['steps_ms'])} | {num(r['step_ms'], '{:.2f}')} | "
+                   f"{num(r['execute_model_ms'])} | {num(r['sample_tokens_ms'])} | {num(outside)} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", help="serve_run.sh's output folder or its serve-results.tgz")
+    ap.add_argument("--kinds", help="comma list of request kinds (default: all)")
+    args = ap.parse_args(argv)
+    source = Path(args.source)
+    if not source.exists():
+        print(f"step_times: {source}: no such file or folder", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = source
+        if source.is_file():
+            try:
+                with tarfile.open(source) as tar:
+                    if hasattr(tarfile, "data_filter"):  # 3.12, and 3.8.17+/3.11.4+
+                        tar.extractall(tmp, filter="data")
+                    else:
+                        tar.extractall(tmp)
+            except (tarfile.TarError, OSError) as exc:
+                print(f"step_times: {source}: not a readable archive ({exc})", file=sys.stderr)
+                return 2
+            folder = Path(tmp)
+        kinds = set(args.kinds.split(",")) if args.kinds else None
+        results = sorted(folder.rglob("*.serve.json"))
+        rows = []
+        for path in results:
+            rows += kind_rows(json.loads(path.read_text()), path.parent, kinds)
+    if not rows:
+        print(f"step_times: no step events in {source} (was SERVE_PROBE_STATS set on the GPU host?)", file=sys.stderr)
+        return 1
+    print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
