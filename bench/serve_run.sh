@@ -25,7 +25,11 @@
 #                          Requests wait for every variant's start (--sync-lock): a variant that starts
 #                          slowly (plain `vllm serve` builds FlashInfer's sampler after its profile run)
 #                          holds back the others' requests; four kwarm variants of tiny Qwen3-Next, each
-#                          building FlashInfer's sampler at once, were ready in 235-242 s (H100)
+#                          building FlashInfer's sampler at once, were ready in 235-242 s (H100). With
+#                          "--share-flashinfer-cache $WORK/fi" in BENCH_ARGS the sampler builds once for all.
+#                          Six servers on one host spread a kind's repeats more widely than the gaps between
+#                          variants: for a steady-state comparison, run two servers (plain and kwarm) and
+#                          SERVE_PROBE_STATS, then bench/step_times.py
 #   SEQUENTIAL=0           1: one model after another, each with the budget left (two servers on the GPU
 #                          at a time: published dimensions, where four servers do not fit or start slowly)
 #   SERVE_PROBE_STATS=""   e.g. 5: every server process writes its thread CPU, garbage collections and engine
