@@ -158,7 +158,7 @@ def test_the_probe_records_each_surface_in_a_real_interpreter(tmp_path, model_di
 
 
 STATS = """
-import os, time
+import os, sys, time
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # Model Runner V2
 assert getattr(StructuredOutputManager.grammar_bitmask, "_serve_probe", False)
@@ -173,13 +173,19 @@ if os.fork() == 0:  # a forked process keeps its own lines
     os._exit(0)
 os.wait()
 time.sleep(0.6)
+if len(sys.argv) > 1:  # CUDA cannot exist here: its allocators' counters stand in
+    import torch
+    torch.cuda.is_initialized = lambda: True
+    torch.cuda.memory_stats = lambda: {"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 0, "x": 1}
+    torch.cuda.host_memory_stats = lambda: {"num_host_alloc": 5, "host_alloc_time.total": 900, "active_requests.current": 1}
+    time.sleep(0.6)
 """
 
 
 def test_the_probes_stats_name_each_process_thread_collections_and_step_calls(tmp_path):
     env = dict(os.environ, SERVE_PROBE_LOG=str(tmp_path / "events.jsonl"), SERVE_PROBE_STATS="0.2",
                PYTHONPATH=str(BENCH / "serve_probe"), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", STATS], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", STATS, "cuda"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(tmp_path.glob("stats.*.jsonl"))
     assert len(files) == 2, "one file per process, the forked one too"
@@ -191,6 +197,9 @@ def test_the_probes_stats_name_each_process_thread_collections_and_step_calls(tm
     assert not any("StructuredOutputManager.grammar_bitmask" in line["steps"] for line in parent)
     assert any(name.startswith("MainThread:") for name in parent[-1]["threads"])
     assert {"0", "1", "2"} <= set(parent[-1]["gc"]) and parent[-1]["switch_s"] > 0
+    assert parent[0]["allocators"] is None, "no CUDA initialized: nothing read, nothing initialized"
+    assert parent[-1]["allocators"] == {"num_device_alloc": 7, "num_device_free": 2, "num_alloc_retries": 0,
+                                        "num_host_alloc": 5, "host_alloc_us": 900, "host_active": 1}
     child = next(v for v in lines.values() if v is not parent)
     assert child[-1]["calls"] == {}, "the child counts its own calls"
 

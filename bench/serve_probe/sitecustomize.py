@@ -430,6 +430,27 @@ def _stats(log_path, process_name):
                 out[f"{names.get(int(tid), comm)}:{tid}"] = round(cpu, 2)
         return out
 
+    def allocators():
+        """Torch's CUDA allocators' counts where this process initialized CUDA (never initializes
+        it): device blocks made and returned with cudaMalloc/cudaFree, and the retries after an
+        out-of-memory; pinned host blocks made with cudaHostAlloc and their microseconds. A
+        process whose steps allocate anew instead of reusing cached blocks shows them grow."""
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return None
+            device = torch.cuda.memory_stats()
+            out = {k: device.get(k) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+            host = getattr(torch.cuda, "host_memory_stats", None)
+            if host is not None:
+                stats = host()
+                out.update({"num_host_alloc": stats.get("num_host_alloc"),
+                            "host_alloc_us": stats.get("host_alloc_time.total"),
+                            "host_active": stats.get("active_requests.current")})
+            return out
+        except Exception:
+            return None
+
     def loop():
         while True:
             time.sleep(every)
@@ -443,7 +464,7 @@ def _stats(log_path, process_name):
                         "gc_count": gc.get_count(),
                         "gc_threshold": gc.get_threshold(), "switch_s": sys.getswitchinterval(),
                         "calls": {k: [v[0], round(v[1], 4)] for k, v in calls.items()},
-                        "steps": taken}
+                        "steps": taken, "allocators": allocators()}
                 with open(os.path.join(folder, f"stats.{os.getpid()}.jsonl"), "a") as f:
                     f.write(json.dumps(line) + "\n")
             except Exception:
