@@ -338,7 +338,11 @@ def steady_claims() -> list[str]:
     spread = lambda n, k: span([sb.headline_time(rows[n][k][o]) for o in sb.REPEATS], ms)  # noqa: E731
     rep = lambda n, ph, folder: req_s(QWEN, n, "json-schema", "repeat", ph, folder)  # noqa: E731
     early = [rep("kwarm", ph, SERVE) - rep("plain", ph, SERVE) for ph in range(len(serve(QWEN)["phases"]))]
-    assert all(d > 0 for d in early)
+    # "the one kind kwarm's server ran slower in every phase measured" (the three runs' six phases)
+    phases = [(folder, ph) for folder in (SERVE, SERVE_MEDIANS, F) for ph in range(len(serve(QWEN, folder)["phases"]))]
+    slower = [k for k in rows["plain"] if all(req_s(QWEN, "kwarm", k, "repeat", ph, folder)
+                                              > req_s(QWEN, "plain", k, "repeat", ph, folder) for folder, ph in phases)]
+    assert slower == ["json-schema"], slower
     pair = lambda ph, folder: f"{ms(rep('kwarm', ph, folder))} against {ms(rep('plain', ph, folder))} ms"  # noqa: E731
     return [
         f"ready in {ready['kwarm']:.1f} s against {ready['plain']:.1f} s ({pct(ready['kwarm'], ready['plain'])}, "
