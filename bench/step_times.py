@@ -9,7 +9,8 @@ wall-clock window holds its end (requests run one at a time) and prints, per pha
 and server, the median over the kind's repeats of: the request's time, its engine steps, their
 summed time and the median step. A request slower on one server with the same steps' sum spent
 its time outside the engine core (the API server, the transport); a slower steps' sum says which
-of the step's parts grew.
+of the step's parts grew. A second table gives how many blocks torch's CUDA allocators made anew
+(cudaMalloc, cudaHostAlloc) in each engine process over the requests.
 
     python3 bench/step_times.py bench/results/serve                  # a serve_run.sh output folder
     python3 bench/step_times.py serve-results.tgz                      # or its archive
@@ -94,6 +95,50 @@ def kind_rows(result: dict, folder: Path, kinds: set | None = None) -> list[dict
     return rows
 
 
+ALLOCATOR_KEYS = ("num_device_alloc", "num_alloc_retries", "num_host_alloc", "host_alloc_us")
+
+
+def allocations(result: dict, folder: Path) -> list[dict]:
+    """Per phase, server and process that initialized CUDA: how much torch's allocators' counters
+    (the probe's ``allocators``) grew over the server's requests, from its last line before the
+    first request to its first line after the last one. Blocks made anew at steady state (a
+    cudaMalloc or cudaHostAlloc per step) show here."""
+    out = []
+    for phase in result.get("phases", []):
+        for name, server in phase.get("servers", {}).items():
+            times = [(r["t0"], r["t1"]) for r in server.get("requests") or [] if "t0" in r and "t1" in r]
+            if not times:
+                continue
+            t0, t1 = min(t for t, _ in times), max(t for _, t in times)
+            for path in sorted(folder.glob(f"{result['model']}.{name}.{phase['phase']}.stats.*.jsonl")):
+                lines = []
+                for line in path.read_text().splitlines():
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if rec.get("allocators"):
+                        lines.append(rec)
+                before = [x for x in lines if x["t"] <= t0]
+                after = [x for x in lines if x["t"] >= t1]
+                if not before or not after:
+                    continue
+                a, b = before[-1]["allocators"], after[0]["allocators"]
+                grew = {k: (b.get(k) or 0) - (a.get(k) or 0) for k in ALLOCATOR_KEYS}
+                out.append({"phase": phase["phase"], "server": name, "proc": after[0].get("proc"),
+                            "seconds": after[0]["t"] - before[-1]["t"], **grew})
+    return out
+
+
+def render_allocations(rows: list[dict]) -> str:
+    out = ["| phase | server | process | window s | cudaMalloc blocks | OOM retries | cudaHostAlloc blocks | "
+           "cudaHostAlloc ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['phase']} | {r['server']} | {r['proc'] or '?'} | {r['seconds']:.1f} | {r['num_device_alloc']} | "
+                   f"{r['num_alloc_retries']} | {r['num_host_alloc']} | {r['host_alloc_us'] / 1000:.1f} |")
+    return "\n".join(out)
+
+
 def render(rows: list[dict]) -> str:
     def num(v, fmt="{:.1f}"):
         return "—" if v is None else fmt.format(v)
@@ -134,13 +179,18 @@ def main(argv=None) -> int:
             folder = Path(tmp)
         kinds = set(args.kinds.split(",")) if args.kinds else None
         results = sorted(folder.rglob("*.serve.json"))
-        rows = []
+        rows, grown = [], []
         for path in results:
-            rows += kind_rows(json.loads(path.read_text()), path.parent, kinds)
+            result = json.loads(path.read_text())
+            rows += kind_rows(result, path.parent, kinds)
+            grown += allocations(result, path.parent)
     if not rows:
         print(f"step_times: no step events in {source} (was SERVE_PROBE_STATS set on the GPU host?)", file=sys.stderr)
         return 1
     print(render(rows))
+    if grown:
+        print("\nBlocks torch's allocators made during the requests:\n")
+        print(render_allocations(grown))
     return 0
 
 

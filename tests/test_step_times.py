@@ -34,9 +34,15 @@ def _run(folder: Path) -> None:
         n: {"requests": requests[n]} for n in requests}}]}
     (folder / "m.serve.json").write_text(json.dumps(result))
     for n in steps:
-        lines = [{"t": 0, "steps": {"EngineCore.step_with_batch_queue": steps[n][:20],
+        base = 1000.0 if n == "plain" else 2000.0
+        grown = 0 if n == "plain" else 120  # kwarm's engine: a pinned block per step
+        lines = [{"t": base - 1, "allocators": {"num_device_alloc": 50, "num_alloc_retries": 0, "num_host_alloc": 8,
+                                                "host_alloc_us": 4000}},
+                 {"t": 0, "steps": {"EngineCore.step_with_batch_queue": steps[n][:20],
                                     "GPUModelRunner.execute_model": [[t, ms / 2] for t, ms in steps[n][:20]]}},
-                 {"t": 1, "steps": {"EngineCore.step_with_batch_queue": steps[n][20:]}}]
+                 {"t": 1, "steps": {"EngineCore.step_with_batch_queue": steps[n][20:]}},
+                 {"t": base + 100, "allocators": {"num_device_alloc": 50, "num_alloc_retries": 0,
+                                                  "num_host_alloc": 8 + grown, "host_alloc_us": 4000 + 90 * grown}}]
         (folder / f"m.{n}.cold.stats.{len(n)}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
 
 
@@ -60,7 +66,11 @@ def test_the_command_reads_an_archive_and_says_when_there_is_nothing(tmp_path, c
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(run, arcname=".")
     assert step_times.main([str(archive), "--kinds", "json-schema"]) == 0
-    assert "| cold | json-schema | kwarm | 140.0 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| cold | json-schema | kwarm | 140.0 |" in out
+    # over each server's requests: plain's engine made no block, kwarm's 120 pinned ones (10.8 ms)
+    assert "| cold | plain | ? | 101.0 | 0 | 0 | 0 | 0.0 |" in out
+    assert "| cold | kwarm | ? | 101.0 | 0 | 0 | 120 | 10.8 |" in out
     for f in run.glob("*.jsonl"):
         f.unlink()
     assert step_times.main([str(run)]) == 1
