@@ -309,13 +309,19 @@ def medians_claims() -> list[str]:
     ]
 
 
+def against(kind: str, phase: int, folder: Path) -> str:
+    """Tiny Qwen3-Next's median repeat of `kind`, kwarm's server against plain's."""
+    rep = {n: req_s(QWEN, n, kind, "repeat", phase, folder) for n in ("kwarm", "plain")}
+    return f"{ms(rep['kwarm'])} against {ms(rep['plain'])} ms"
+
+
 def steady_text() -> str:
     """Qwen3-Next's structured requests at steady state (the median of three repeats) in the later
     run, kwarm's server against plain's, cold and on the warm restart; and the widest gap between the
     two servers' repeats of those kinds in the earlier run (``serve/``, every phase)."""
     F = SERVE_MEDIANS
     rep = lambda n, k, ph, folder=F: req_s(QWEN, n, k, "repeat", ph, folder)  # noqa: E731
-    pair = lambda k, ph: f"{ms(rep('kwarm', k, ph))} against {ms(rep('plain', k, ph))} ms"  # noqa: E731
+    pair = lambda k, ph: against(k, ph, F)  # noqa: E731
     phases = range(len(serve(QWEN)["phases"]))
     gap = max(abs(rep("kwarm", k, ph, SERVE) - rep("plain", k, ph, SERVE))
               for k in ("json-schema", "tool-call") for ph in phases)
@@ -343,7 +349,7 @@ def steady_claims() -> list[str]:
     slower = [k for k in rows["plain"] if all(req_s(QWEN, "kwarm", k, "repeat", ph, folder)
                                               > req_s(QWEN, "plain", k, "repeat", ph, folder) for folder, ph in phases)]
     assert slower == ["json-schema"], slower
-    pair = lambda ph, folder: f"{ms(rep('kwarm', ph, folder))} against {ms(rep('plain', ph, folder))} ms"  # noqa: E731
+    pair = lambda ph, folder: against("json-schema", ph, folder)  # noqa: E731
     return [
         f"ready in {ready['kwarm']:.1f} s against {ready['plain']:.1f} s ({pct(ready['kwarm'], ready['plain'])}, "
         f"{share(ready['kwarm'], ready['plain'])} of vLLM alone's time)",

@@ -35,15 +35,25 @@ STEP_KEYS = ("EngineCore.step_with_batch_queue", "EngineCore.step")  # one of th
 PART_KEYS = ("GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens")
 
 
+def stats_lines(folder: Path, model: str, server: str, phase: str) -> list[list[dict]]:
+    """The probe's lines of each of `server`'s processes in `phase`, one list per process."""
+    out = []
+    for path in sorted(folder.glob(f"{model}.{server}.{phase}.stats.*.jsonl")):
+        lines = []
+        for line in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        out.append(lines)
+    return out
+
+
 def load_steps(folder: Path, model: str, server: str, phase: str) -> dict:
     """Every step event of `server`'s processes in `phase`: key -> sorted [[end time, ms], ...]."""
     out: dict = {}
-    for path in sorted(folder.glob(f"{model}.{server}.{phase}.stats.*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
+    for lines in stats_lines(folder, model, server, phase):
+        for rec in lines:
             for key, events in (rec.get("steps") or {}).items():
                 out.setdefault(key, []).extend(e for e in events if isinstance(e, list) and len(e) == 2)
     return {k: sorted(v) for k, v in out.items()}
@@ -110,15 +120,8 @@ def allocations(result: dict, folder: Path) -> list[dict]:
             if not times:
                 continue
             t0, t1 = min(t for t, _ in times), max(t for _, t in times)
-            for path in sorted(folder.glob(f"{result['model']}.{name}.{phase['phase']}.stats.*.jsonl")):
-                lines = []
-                for line in path.read_text().splitlines():
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue
-                    if rec.get("allocators"):
-                        lines.append(rec)
+            for process in stats_lines(folder, result["model"], name, phase["phase"]):
+                lines = [rec for rec in process if rec.get("allocators")]
                 before = [x for x in lines if x["t"] <= t0]
                 after = [x for x in lines if x["t"] >= t1]
                 if not before or not after:
