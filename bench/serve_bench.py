@@ -930,7 +930,7 @@ def run(args) -> int:
 
     def save():
         result["wall_s"] = round(time.time() - started, 1)
-        result_path.write_text(json.dumps(result, indent=1, default=str))
+        result_path.write_text(json.dumps(result, separators=(",", ":"), default=str))  # published as is: compact
 
     phases = ["cold"] + ["warm"] * args.restarts
     try:
