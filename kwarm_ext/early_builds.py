@@ -333,15 +333,29 @@ def capabilities_of(visible: str | None) -> list:
             os.environ["CUDA_VISIBLE_DEVICES"] = own
 
 
+def jit_spec(spec: str):
+    """FlashInfer's ``JitSpec`` of `spec` ("module:function")."""
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)()
+
+
+def already_built(spec: str) -> bool:
+    """Whether FlashInfer's cache (or its AOT folder) holds `spec`'s module (``JitSpec.is_compiled``:
+    the library's path exists), as on any start after the first; False where it cannot say."""
+    try:
+        return bool(jit_spec(spec).is_compiled)
+    except Exception:  # noqa: BLE001  (a FlashInfer without the property: build, as before)
+        return False
+
+
 def build(spec: str) -> str:
     """Build one FlashInfer module by its spec function, under the spec's file lock; its line."""
     import time
 
-    module, _, function = spec.partition(":")
     t0 = time.perf_counter()
-    jit_spec = getattr(importlib.import_module(module), function)()
-    jit_spec.build(False, need_lock=True)
-    return f"{jit_spec.name} ready in {time.perf_counter() - t0:.1f} s"
+    module = jit_spec(spec)
+    module.build(False, need_lock=True)
+    return f"{module.name} ready in {time.perf_counter() - t0:.1f} s"
 
 
 def say(message: str) -> None:
@@ -393,7 +407,9 @@ def launch_main(payload: dict) -> int:
     took most of the 22 s between this process's start and its build's (DeepSeek-V3.2 dimensions,
     H100, cold), and the engine asked for the module 10 s after that. Where the check says vLLM
     will not call it (a GPU FlashInfer's sampler does not support, a vLLM without the check) the
-    line says so: the build then cost background CPU only."""
+    line says so: the build then cost background CPU only. Where FlashInfer's cache holds the module
+    already (every start after the first), the process ends at once: the check's imports of vLLM
+    (seconds of CPU) would run beside the server's own, for a module vLLM just loads."""
     import threading
 
     capabilities = capabilities_of(payload.get("visible"))
@@ -401,6 +417,9 @@ def launch_main(payload: dict) -> int:
         say("kwarm: early FlashInfer builds: none (not: sampling: no NVIDIA GPU visible)")
         return 0
     os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", arch_list(capabilities))
+    if already_built(SAMPLING.spec):  # a restart: nothing to build, and vLLM's imports would only take CPU
+        say("kwarm: early FlashInfer builds: none, sampling is built already (FlashInfer's cache)")
+        return 0
     done: list = []
     builder = threading.Thread(target=lambda: done.append(build_line(dataclasses.asdict(SAMPLING))),
                                name="kwarm-early-sampling")

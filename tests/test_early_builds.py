@@ -273,6 +273,7 @@ def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_an
 
     monkeypatch.setattr(early_builds, "build", build)
     monkeypatch.setattr(early_builds, "_sampler_reason", sampler_reason)
+    monkeypatch.setattr(early_builds, "already_built", lambda spec: False)
     verdict = None
     payload = {"facts": {"runner_type": "generate"}, "capabilities": None, "visible": "2,3"}
     assert early_builds.main(["--predict", json.dumps(payload)]) == 0
@@ -291,6 +292,13 @@ def test_the_launch_process_reads_the_servers_gpus_builds_the_sampler_at_once_an
     assert capsys.readouterr().err.splitlines()[0].split("] ", 1)[1] == (
         "kwarm: early FlashInfer builds: sampling, started at launch, though vLLM will not call it here "
         "(compute capability 7.0 unsupported): background CPU only")
+    # a restart: FlashInfer's cache holds the module; nothing built, vLLM's logic not imported
+    monkeypatch.setattr(early_builds, "already_built", lambda spec: spec == early_builds.SAMPLING.spec)
+    events.clear()
+    assert early_builds.main(["--predict", json.dumps(payload)]) == 0
+    assert events == []
+    assert capsys.readouterr().err.split("] ", 1)[1].strip() == (
+        "kwarm: early FlashInfer builds: none, sampling is built already (FlashInfer's cache)")
     # no GPU: nothing built
     monkeypatch.setattr(early_builds, "visible_capabilities", lambda: [])
     assert early_builds.main(["--predict", json.dumps(payload)]) == 0
@@ -421,3 +429,18 @@ def test_the_engine_processes_gpus_are_those_vllms_platform_counts_and_can_read(
     assert early_builds.visible_capabilities() == [(9, 0), (10, 0)]
     platform.cuda = False
     assert early_builds.visible_capabilities() == []
+
+
+def test_a_module_in_flashinfers_cache_counts_as_built(monkeypatch):
+    """`already_built` asks the spec FlashInfer's own question (its library's path exists); a spec
+    that cannot answer counts as not built, and the build runs as before."""
+    class Spec:
+        is_compiled = True
+
+    module = types.ModuleType("kwarm_test_built_spec")
+    module.built, module.fresh = Spec, lambda: types.SimpleNamespace(is_compiled=False)
+    module.broken = lambda: (_ for _ in ()).throw(RuntimeError("no CUDA arch"))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert early_builds.already_built(f"{module.__name__}:built") is True
+    assert early_builds.already_built(f"{module.__name__}:fresh") is False
+    assert early_builds.already_built(f"{module.__name__}:broken") is False
