@@ -15,6 +15,7 @@ of the step's parts grew. A second table gives how many blocks torch's CUDA allo
     python3 bench/step_times.py bench/results/serve                  # a serve_run.sh output folder
     python3 bench/step_times.py serve-results.tgz                      # or its archive
     python3 bench/step_times.py DIR --kinds json-schema,chat-greedy    # some kinds only
+    python3 bench/step_times.py DIR --json step-times.json             # and the rows as JSON (to publish)
 
 Needs only the standard library.
 """
@@ -105,6 +106,7 @@ def kind_rows(result: dict, folder: Path, kinds: set | None = None) -> list[dict
     return rows
 
 
+SCHEMA = "kwarm-step-times/1"
 ALLOCATOR_KEYS = ("num_device_alloc", "num_alloc_retries", "num_host_alloc", "host_alloc_us")
 
 
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", help="serve_run.sh's output folder or its serve-results.tgz")
     ap.add_argument("--kinds", help="comma list of request kinds (default: all)")
+    ap.add_argument("--json", metavar="OUT", help="also write both tables' rows to OUT (compact JSON)")
     args = ap.parse_args(argv)
     source = Path(args.source)
     if not source.exists():
@@ -191,6 +194,9 @@ def main(argv=None) -> int:
         print(f"step_times: no step events in {source} (was SERVE_PROBE_STATS set on the GPU host?)", file=sys.stderr)
         return 1
     print(render(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"schema": SCHEMA, "source": source.name, "kinds": rows,
+                                               "allocators": grown}, separators=(",", ":")) + "\n")
     if grown:
         print("\nBlocks torch's allocators made during the requests:\n")
         print(render_allocations(grown))

@@ -71,6 +71,14 @@ def test_the_command_reads_an_archive_and_says_when_there_is_nothing(tmp_path, c
     # over each server's requests: plain's engine made no block, kwarm's 120 pinned ones (10.8 ms)
     assert "| cold | plain | ? | 101.0 | 0 | 0 | 0 | 0.0 |" in out
     assert "| cold | kwarm | ? | 101.0 | 0 | 0 | 120 | 10.8 |" in out
+    # --json: the same rows, to publish beside the result
+    assert step_times.main([str(archive), "--json", str(tmp_path / "steps.json")]) == 0
+    written = json.loads((tmp_path / "steps.json").read_text())
+    assert written["schema"] == "kwarm-step-times/1" and written["source"] == "serve-results.tgz"
+    assert {(r["server"], r["request_ms"], r["steps_ms"]) for r in written["kinds"]} == {("plain", 100.0, 40.0),
+                                                                                       ("kwarm", 140.0, 40.0)}
+    assert [(a["server"], a["num_host_alloc"]) for a in written["allocators"]] == [("plain", 0), ("kwarm", 120)]
+    capsys.readouterr()
     for f in run.glob("*.jsonl"):
         f.unlink()
     assert step_times.main([str(run)]) == 1
