@@ -25,7 +25,8 @@ SERVE = PUB / "vllm0.33.0-flashinfer-h100" / "serve"
 SERVE_092 = PUB / "vllm0.33.0-flashinfer-h100" / "serve-0.92"
 # the tiny pair again at a later commit, each kind's repeat the median of three
 SERVE_MEDIANS = PUB / "vllm0.33.0-flashinfer-h100" / "serve-medians"
-SERVE_STEADY = PUB / "vllm0.33.0-flashinfer-h100" / "serve-steady"  # tiny Qwen3-Next alone, kwarm's code as serve-medians
+SERVE_STEADY = PUB / "vllm0.33.0-flashinfer-h100" / "serve-steady"  # tiny Qwen3-Next alone, engine step times
+SERVE_RESTART = PUB / "vllm0.33.0-flashinfer-h100" / "serve-restart"  # tiny Qwen3-Next, cold and warm, 4 kinds
 QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
 BIG, BIG_DSV = "qwen3-next-80b-a3b-4l", "deepseek-v32-2l"
 NAMES = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
@@ -47,6 +48,7 @@ REGIONS = [
     ("BENCHMARKS.md", "**What this shows**", "## The tiny pair again"),
     ("BENCHMARKS.md", "**What this run shows**", "### tiny-deepseek-v32, cold start"),
     ("BENCHMARKS.md", "**At steady state**", "### tiny-qwen3-next, cold start"),
+    ("BENCHMARKS.md", "**On a warm restart**", "### tiny-qwen3-next, cold start"),
 ]
 
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
@@ -139,6 +141,11 @@ def over_bar(model: str, phase: int = 0, folder: Path = SERVE) -> list[tuple[str
 
 def stage(model: str, name: str, what: str, phase: int = 0, folder: Path = SERVE) -> float | None:
     return (phase_server(model, phase, name, folder).get("start_stages") or {}).get(what)
+
+
+def stage_s(model: str, name: str, what: str, phase: int = 0, folder: Path = SERVE) -> str:
+    """A start milestone's seconds after launch, as the tables print it."""
+    return sec(stage(model, name, what, phase, folder))
 
 
 def stage_of(server_result: dict, what: str) -> str:
@@ -269,7 +276,7 @@ def medians_claims() -> list[str]:
     median of three; a cold start of both models and a warm restart of Qwen3-Next)."""
     F, both = SERVE_MEDIANS, (QWEN, DSV)
     restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
-    st = lambda m, n, what, phase=0: sec(stage(m, n, what, phase, F))  # noqa: E731
+    st = lambda m, n, what, phase=0: stage_s(m, n, what, phase, F)  # noqa: E731
     cold = {m: over_bar(m, 0, F) for m in both}
     sb = _bench("serve_bench")
     within = []
@@ -331,9 +338,10 @@ def steady_text() -> str:
 
 
 def steady_claims() -> list[str]:
-    """BENCHMARKS.md's section on tiny Qwen3-Next alone (``serve-steady/``): the cold start, how
-    kwarm's repeats compare with plain's over every kind, and json-schema's repeats in every phase of
-    the three runs."""
+    """BENCHMARKS.md's section on tiny Qwen3-Next alone with engine step times (``serve-steady/``):
+    the cold start, how kwarm's repeats compare with plain's over every kind, json-schema (which
+    kwarm's server ran slower in the earlier runs) with its engine steps, and the blocks
+    torch's allocators made over the requests (``step-times.json``, ``bench/step_times.py --json``)."""
     F = SERVE_STEADY
     ready = {n: server(QWEN, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
     sb = _bench("serve_bench")
@@ -341,15 +349,17 @@ def steady_claims() -> list[str]:
     ratios = [sb.repeat_time(rows["kwarm"][k]) / sb.repeat_time(rows["plain"][k]) for k in rows["plain"]]
     lower = sum(r < 1 for r in ratios)
     geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    spread = lambda n, k: span([sb.headline_time(rows[n][k][o]) for o in sb.REPEATS], ms)  # noqa: E731
     rep = lambda n, ph, folder: req_s(QWEN, n, "json-schema", "repeat", ph, folder)  # noqa: E731
     early = [rep("kwarm", ph, SERVE) - rep("plain", ph, SERVE) for ph in range(len(serve(QWEN)["phases"]))]
-    # "the one kind kwarm's server ran slower in every phase measured" (the three runs' six phases)
-    phases = [(folder, ph) for folder in (SERVE, SERVE_MEDIANS, F) for ph in range(len(serve(QWEN, folder)["phases"]))]
-    slower = [k for k in rows["plain"] if all(req_s(QWEN, "kwarm", k, "repeat", ph, folder)
-                                              > req_s(QWEN, "plain", k, "repeat", ph, folder) for folder, ph in phases)]
-    assert slower == ["json-schema"], slower
+    steps = load(F / "step-times.json")
+    js = {r["server"]: r for r in steps["kinds"] if r["kind"] == "json-schema" and r["phase"] == "cold"}
+    alloc = {a["server"]: a for a in steps["allocators"] if a["phase"] == "cold" and a["proc"] == "EngineCore"}
     pair = lambda ph, folder: against("json-schema", ph, folder)  # noqa: E731
+
+    def blocks(n):
+        return (f"{alloc[n]['num_device_alloc']} new cudaMalloc blocks and {alloc[n]['num_host_alloc']} cudaHostAlloc "
+                f"blocks ({alloc[n]['host_alloc_us'] / 1000:.1f} ms)")
+
     return [
         f"ready in {ready['kwarm']:.1f} s against {ready['plain']:.1f} s ({pct(ready['kwarm'], ready['plain'])}, "
         f"{share(ready['kwarm'], ready['plain'])} of vLLM alone's time)",
@@ -357,18 +367,47 @@ def steady_claims() -> list[str]:
         f"{triton_in_requests(QWEN, 'kwarm', F)} with kwarm",
         f"kwarm's median repeat was lower than plain's in {lower} of the {len(ratios)} kinds (their ratios' "
         f"geometric mean {geomean:.2f})",
-        f"plain's own json-schema repeats took {spread('plain', 'json-schema')} ms and kwarm's "
-        f"{spread('kwarm', 'json-schema')} ms",
-        f"json-schema {pair(0, F)} here, {pair(0, SERVE_MEDIANS)} and {pair(1, SERVE_MEDIANS)} in the section above, "
-        f"and slower by at most {ms(max(early))} ms in each of the first run's {len(early)} phases",
+        f"({pair(0, SERVE_MEDIANS)} and {pair(1, SERVE_MEDIANS)} in the section above, slower by at most "
+        f"{ms(max(early))} ms in each of the first run's {len(early)} phases): {pair(0, F)} here",
+        f"{js['kwarm']['steps']} engine steps summing {js['kwarm']['steps_ms']:.1f} ms with kwarm, "
+        f"{js['plain']['steps']} summing {js['plain']['steps_ms']:.1f} ms without; outside the steps "
+        f"{js['kwarm']['request_ms'] - js['kwarm']['steps_ms']:.1f} against "
+        f"{js['plain']['request_ms'] - js['plain']['steps_ms']:.1f} ms",
+        f"kwarm's engine core made {blocks('kwarm')}, plain's {blocks('plain')}",
         f"Firsts over the bar (1.1x and 10 ms): {over_text({QWEN: over_bar(QWEN, 0, F)})}",
+    ]
+
+
+def restart_claims(headline: bool = False) -> list[str]:
+    """The cold start and first warm restart of tiny Qwen3-Next at the current code (``serve-restart/``):
+    BENCHMARKS.md's section, or README's sentence (`headline`)."""
+    F = SERVE_RESTART
+    ready = {(ph, n): phase_server(QWEN, ph, n, F)["launch_to_ready_s"] for ph in (0, 1) for n in ("plain", "kwarm")}
+    cold = (f"ready in {share(ready[0, 'kwarm'], ready[0, 'plain'])} of vLLM alone's time cold "
+            f"({ready[0, 'kwarm']:.1f} against {ready[0, 'plain']:.1f} s)")
+    warm = f"{pct(ready[1, 'kwarm'], ready[1, 'plain'])} ({ready[1, 'kwarm']:.1f} against {ready[1, 'plain']:.1f} s)"
+    if headline:
+        return [f"The latest run (tiny Qwen3-Next, four request kinds): {cold}, and a first warm restart of {warm}"]
+    kw = phase_server(QWEN, 1, "kwarm", F)
+    return [
+        f"**Cold**: {cold}; compiles in requests after ready: {triton_in_requests(QWEN, 'plain', F)} for `vllm serve`, "
+        f"{triton_in_requests(QWEN, 'kwarm', F)} with kwarm",
+        f"**The first warm restart costs {warm}**",
+        f"kwarm's warmup took {s1(kw['kwarm_warmup_s'][0])} s and its server compiled {warm_compiles(QWEN, 1, F)} "
+        f"Triton kernels for real before ready",
+        f"kwarm's engine process started at {stage_s(QWEN, 'kwarm', 'engine', 1, F)} s against "
+        f"{stage_s(QWEN, 'plain', 'engine', 1, F)} s after launch, and captured its graphs at "
+        f"{stage_s(QWEN, 'kwarm', 'graphs captured', 1, F)} s against {stage_s(QWEN, 'plain', 'graphs captured', 1, F)} s",
+        f"Firsts with kwarm, warm restart: {over_text({QWEN: over_bar(QWEN, 1, F)})}",
+        f"cold: {over_text({QWEN: over_bar(QWEN, 0, F)})}",
+        f"json-schema's repeats: {against('json-schema', 0, F)} cold, {against('json-schema', 1, F)} warm",
     ]
 
 
 def over_text(over: dict) -> str:
     """The kinds over the 1.1x / 10 ms bar per model, or that none is."""
     if not any(over.values()):
-        return "every kind's first within 1.1x or 10 ms of its repeat on both models"
+        return "every kind's first within 1.1x or 10 ms of its repeat" + (" on both models" if len(over) > 1 else "")
     return "; ".join(f"{NAMES[m]}'s " + " and ".join(f"{k} ({ms(a)} against {ms(b)} ms)" for k, a, b in xs)
                      for m, xs in over.items() if xs)
 
@@ -432,27 +471,13 @@ def capture_threads_claims() -> list[str]:
     ]
 
 
-def readme_medians_claims() -> list[str]:
-    """README's sentence on the tiny pair's later run (``serve-medians/``)."""
-    F = SERVE_MEDIANS
-    ready = cold_ready(F)
-    restart = {n: phase_server(QWEN, 1, n, F)["launch_to_ready_s"] for n in ("plain", "kwarm")}
-    return [
-        f"A later run (each first against the median of three repeats): ready in "
-        f"{share(ready[QWEN, 'kwarm'], ready[QWEN, 'plain'])} and {share(ready[DSV, 'kwarm'], ready[DSV, 'plain'])} "
-        f"of vLLM alone's time cold, a first warm restart of {pct(restart['kwarm'], restart['plain'])} on Qwen3-Next",
-        f"Qwen3-Next's first cold tool call still {ms(req_s(QWEN, 'kwarm', 'tool-call', folder=F))} against "
-        f"{ms(req_s(QWEN, 'kwarm', 'tool-call', 'repeat', folder=F))} ms",
-    ]
-
-
 def readme_claims() -> list[str]:
-    return serving_claims() + readme_medians_claims() + fp8_claims()[:7]
+    return serving_claims() + restart_claims(headline=True) + fp8_claims()[:7]
 
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + fp8_claims()[7:]
+            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + restart_claims() + fp8_claims()[7:]
             + capture_threads_claims()}
 
 
@@ -481,6 +506,7 @@ def serving_tables(doc: str) -> list[str]:
     runs whose tables it shows; ``serve/``'s are its ``--table`` command's)."""
     serve_bench = _bench("serve_bench")
     results = [load(p) for p in sorted([*SERVE_MEDIANS.glob("*.serve.json"), *SERVE_STEADY.glob("*.serve.json"),
+                                        *SERVE_RESTART.glob("*.serve.json"),
                                         *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
