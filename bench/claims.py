@@ -378,6 +378,44 @@ def steady_claims() -> list[str]:
     ]
 
 
+def first_use_claims() -> list[str]:
+    """BENCHMARKS.md's bullet on where each first's time goes (``serve-steady/step-times.json``): with
+    kwarm, the time outside the engine's steps of every first against its repeats'; plain's first-use
+    costs as one long step (a compile) or time outside the steps (the API server); kwarm's firsts
+    over the bar, their longest step and their steps' sum against the repeats'."""
+    F = SERVE_STEADY
+    rows = {(r["server"], r["kind"]): r for r in load(F / "step-times.json")["kinds"] if r["phase"] == "cold"}
+    kinds = sorted({k for _, k in rows})
+    kw = {k: rows["kwarm", k] for k in kinds}
+    pl = {k: rows["plain", k] for k in kinds}
+    outside = max(abs(r["first_outside_ms"] - r["outside_ms"]) for r in kw.values())
+    plain_out = sorted(((r["first_outside_ms"], r["outside_ms"], k) for k, r in pl.items()
+                        if r["first_outside_ms"] - r["outside_ms"] > 10), reverse=True)
+    plain_long = sorted(((r["first_longest_step_ms"], k) for k, r in pl.items() if r["first_longest_step_ms"] > 100),
+                        reverse=True)
+    longest = max(kw.values(), key=lambda r: r["first_longest_step_ms"])
+    over = [k for k, _, _ in over_bar(QWEN, 0, F)]
+    within = [k for k in over if kw[k]["steps_ms_range"][0] <= kw[k]["first_steps_ms"] <= kw[k]["steps_ms_range"][1]]
+    above = [k for k in over if k not in within]
+    apart = max(kw.values(), key=lambda r: r["steps_ms_range"][1] / r["steps_ms_range"][0])
+    lo, hi = apart["steps_ms_range"]
+    return [
+        f"kwarm's repeats of one kind summed their steps up to {100 * (hi / lo - 1):.0f}% apart ({apart['kind']}: "
+        f"{lo:.1f}-{hi:.1f} ms)",
+        f"kwarm's firsts spent within {outside:.1f} ms of their repeats' time outside the engine's steps, in "
+        f"every kind",
+        "plain's first-use costs lie outside the steps, in the API server (" + ", ".join(
+            f"{k} {a:.0f} against {b:.0f} ms" for a, b, k in plain_out),
+        "or in one long step (" + ", ".join(f"{k} {v:.0f} ms" for v, k in plain_long),
+        f"kwarm's longest step in any first took {longest['first_longest_step_ms']:.1f} ms ({longest['kind']}, whose "
+        f"repeats' longest took {longest['longest_step_ms']:.1f} ms)",
+        f"Of its {len(over)} firsts over the bar, " + " and ".join(within) + " summed their steps within the range of "
+        "their repeats' sums; " + "; ".join(
+            f"{k} summed {kw[k]['first_steps_ms']:.1f} against {span(kw[k]['steps_ms_range'], lambda v: f'{v:.1f}')} ms, "
+            f"its median step {kw[k]['first_step_ms']:.1f} against {kw[k]['step_ms']:.1f} ms" for k in above),
+    ]
+
+
 def restart_claims(headline: bool = False) -> list[str]:
     """The cold start and first warm restart of tiny Qwen3-Next at the current code (``serve-restart/``):
     BENCHMARKS.md's section, or README's sentence (`headline`)."""
@@ -477,7 +515,8 @@ def readme_claims() -> list[str]:
 
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
-            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + restart_claims() + fp8_claims()[7:]
+            "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + first_use_claims()
+                      + restart_claims() + fp8_claims()[7:]
             + capture_threads_claims()}
 
 

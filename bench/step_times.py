@@ -9,8 +9,10 @@ wall-clock window holds its end (requests run one at a time) and prints, per pha
 and server, the median over the kind's repeats of: the request's time, its engine steps, their
 summed time and the median step. A request slower on one server with the same steps' sum spent
 its time outside the engine core (the API server, the transport); a slower steps' sum says which
-of the step's parts grew. A second table gives how many blocks torch's CUDA allocators made anew
-(cudaMalloc, cudaHostAlloc) in each engine process over the requests.
+of the step's parts grew. A second table sets each kind's first against its repeats, split the same
+way: a first-use cost outside the engine core, or in its steps, beside how much the repeats' steps'
+sum varies by itself. A third gives how many blocks torch's CUDA allocators made anew (cudaMalloc,
+cudaHostAlloc) in each engine process over the requests.
 
     python3 bench/step_times.py bench/results/serve                  # a serve_run.sh output folder
     python3 bench/step_times.py serve-results.tgz                      # or its archive
@@ -74,7 +76,8 @@ def request_steps(steps: dict, rec: dict) -> dict:
     if key is None:
         return {}
     inside = in_window(steps[key], t0, t1)
-    out = {"steps": len(inside), "steps_ms": sum(inside), "step_ms": statistics.median(inside) if inside else None}
+    out = {"steps": len(inside), "steps_ms": sum(inside), "step_ms": statistics.median(inside) if inside else None,
+           "longest_step_ms": max(inside, default=None)}
     for part in PART_KEYS:
         if steps.get(part):
             out[part.split(".")[-1] + "_ms"] = sum(in_window(steps[part], t0, t1))
@@ -95,13 +98,23 @@ def kind_rows(result: dict, folder: Path, kinds: set | None = None) -> list[dict
                 reps = [pair[o] for o in serve_bench.REPEATS if pair.get(o) and pair[o].get("s") is not None]
                 if not reps:
                     continue
-                per = [request_steps(steps, r) for r in reps]
-                per = [p for p in per if p]
+                per = [(1000 * r["s"], request_steps(steps, r)) for r in reps]
+                per = [(ms, p) for ms, p in per if p]
                 row = {"phase": phase["phase"], "kind": pair["kind"], "server": name,
                        "request_ms": statistics.median(1000 * r["s"] for r in reps)}
-                for field in ("steps", "steps_ms", "step_ms", "execute_model_ms", "sample_tokens_ms"):
-                    values = [p[field] for p in per if p.get(field) is not None]
+                for field in ("steps", "steps_ms", "step_ms", "longest_step_ms", "execute_model_ms", "sample_tokens_ms"):
+                    values = [p[field] for _, p in per if p.get(field) is not None]
                     row[field] = statistics.median(values) if values else None
+                sums = [p["steps_ms"] for _, p in per]
+                row["steps_ms_range"] = [min(sums), max(sums)] if sums else None
+                row["outside_ms"] = statistics.median(ms - p["steps_ms"] for ms, p in per) if per else None
+                first = pair.get("first")
+                if first and first.get("s") is not None:
+                    own = request_steps(steps, first)
+                    row["first_ms"] = 1000 * first["s"]
+                    row["first_steps_ms"] = own.get("steps_ms")
+                    row["first_outside_ms"] = None if own.get("steps_ms") is None else row["first_ms"] - own["steps_ms"]
+                    row["first_step_ms"], row["first_longest_step_ms"] = own.get("step_ms"), own.get("longest_step_ms")
                 rows.append(row)
     return rows
 
@@ -159,6 +172,30 @@ def render(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def render_firsts(rows: list[dict]) -> str:
+    """Each kind's first against its repeats, split at the engine: a first-use cost outside the engine
+    core (the API server, tokenizer, detokenizer, transport) shows in the outside column, one in the
+    engine in the steps' sum; the repeats' range of that sum is how much it varies without one. A
+    compile or other lazy work in the engine is one long step; a first whose every step is slower
+    (its median step) met the host in another state, not work left to do."""
+    def num(v):
+        return "—" if v is None else f"{v:.1f}"
+
+    out = ["| phase | kind | server | first ms | repeats ms | first: steps' sum ms | repeats: steps' sum ms (range) | "
+           "first: median step ms | repeats: median step ms | first: longest step ms | repeats: longest step ms | "
+           "first: outside the steps ms | repeats: outside ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["phase"], r["kind"], r["server"] != "plain", r["server"])):
+        if r.get("first_ms") is None:
+            continue
+        spread = r.get("steps_ms_range")
+        sums = num(r["steps_ms"]) + ("" if not spread else f" ({spread[0]:.1f}-{spread[1]:.1f})")
+        out.append(f"| {r['phase']} | {r['kind']} | {r['server']} | {num(r['first_ms'])} | {num(r['request_ms'])} | "
+                   f"{num(r.get('first_steps_ms'))} | {sums} | {num(r.get('first_step_ms'))} | {num(r.get('step_ms'))} | "
+                   f"{num(r.get('first_longest_step_ms'))} | {num(r.get('longest_step_ms'))} | "
+                   f"{num(r.get('first_outside_ms'))} | {num(r.get('outside_ms'))} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +231,8 @@ def main(argv=None) -> int:
         print(f"step_times: no step events in {source} (was SERVE_PROBE_STATS set on the GPU host?)", file=sys.stderr)
         return 1
     print(render(rows))
+    print("\nEach kind's first against its repeats (the repeats' medians):\n")
+    print(render_firsts(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"schema": SCHEMA, "source": source.name, "kinds": rows,
                                                "allocators": grown}, separators=(",", ":")) + "\n")

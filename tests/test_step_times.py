@@ -25,9 +25,13 @@ def _run(folder: Path) -> None:
         for i, occurrence in enumerate(("first", "repeat", "repeat2", "repeat3")):
             t0 = base + 10 * i
             seconds = 0.100 if name == "plain" else 0.140
+            if name == "kwarm" and occurrence == "first":
+                seconds = 0.200  # 60 ms more than its repeats, all of it outside the engine's steps
             requests[name].append(_request("json-schema", occurrence, t0, seconds))
             for k in range(8):  # 8 steps of 5 ms inside the window
                 ms = 25.0 if (name == "kwarm" and occurrence == "repeat2" and k == 0) else 5.0
+                if name == "plain" and occurrence == "first" and k == 3:
+                    ms = 50.0  # a compile in plain's first: one long step
                 steps[name].append([t0 + 0.01 * (k + 1), ms])
             steps[name].append([t0 + 5, 99.0])  # between requests: in no window
     result = {"model": "m", "phases": [{"phase": "cold", "servers": {
@@ -53,6 +57,17 @@ def test_steps_go_to_the_request_whose_window_holds_them(tmp_path):
     assert rows["plain"]["request_ms"] == 100.0
     # kwarm's repeats: 40, 60 and 40 ms of steps: the median is 40, its request 140 ms: 100 ms outside the steps
     assert rows["kwarm"]["steps_ms"] == 40.0 and rows["kwarm"]["request_ms"] == 140.0
+    # the first against its repeats: kwarm's extra 60 ms lie outside the steps, whose sum varied 40-60 ms
+    assert rows["kwarm"]["first_ms"] == 200.0 and rows["kwarm"]["first_steps_ms"] == 40.0
+    assert rows["kwarm"]["first_outside_ms"] == 160.0 and rows["kwarm"]["outside_ms"] == 100.0
+    assert rows["kwarm"]["steps_ms_range"] == [40.0, 60.0]
+    firsts = step_times.render_firsts(list(rows.values()))
+    # kwarm's repeat2 had one 25 ms step: its longest; the median of the repeats' longest is 5 ms
+    assert rows["kwarm"]["first_longest_step_ms"] == 5.0 and rows["kwarm"]["longest_step_ms"] == 5.0
+    assert "| cold | json-schema | kwarm | 200.0 | 140.0 | 40.0 | 40.0 (40.0-60.0) | 5.0 | 5.0 | 5.0 | 5.0 | 160.0 | 100.0 |" \
+        in firsts, firsts
+    assert "| cold | json-schema | plain | 100.0 | 100.0 | 85.0 | 40.0 (40.0-40.0) | 5.0 | 5.0 | 50.0 | 5.0 | 15.0 | 60.0 |" \
+        in firsts, firsts
     table = step_times.render(list(rows.values()))
     assert "| cold | json-schema | plain | 100.0 | 8 | 40.0 | 5.00 |" in table
     assert table.splitlines()[-1].endswith("| 100.0 |"), table
