@@ -46,7 +46,7 @@ REGIONS = [
     ("README.md", "**Measured**", ""),
     ("README.md", "Block-FP8 checkpoints", ""),
     ("BENCHMARKS.md", "**What this shows**", "## The tiny pair again"),
-    ("BENCHMARKS.md", "**What this run shows**", "### tiny-deepseek-v32, cold start"),
+    ("BENCHMARKS.md", "**What this run shows**", "## Tiny Qwen3-Next alone, with engine step times"),
     ("BENCHMARKS.md", "**At steady state**", "### tiny-qwen3-next, cold start"),
     ("BENCHMARKS.md", "**On a warm restart**", "### tiny-qwen3-next, cold start"),
 ]
@@ -542,9 +542,9 @@ def region(doc: str, start: str, end: str) -> str:
 
 def serving_tables(doc: str) -> list[str]:
     """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON (the
-    runs whose tables it shows; ``serve/``'s are its ``--table`` command's)."""
+    runs whose tables it shows; ``serve/``'s and ``serve-medians/``'s are their ``--table`` commands')."""
     serve_bench = _bench("serve_bench")
-    results = [load(p) for p in sorted([*SERVE_MEDIANS.glob("*.serve.json"), *SERVE_STEADY.glob("*.serve.json"),
+    results = [load(p) for p in sorted([*SERVE_STEADY.glob("*.serve.json"),
                                         *SERVE_RESTART.glob("*.serve.json"),
                                         *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
