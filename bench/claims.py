@@ -510,7 +510,7 @@ def capture_threads_claims() -> list[str]:
 
 
 def readme_claims() -> list[str]:
-    return serving_claims() + restart_claims(headline=True) + fp8_claims()[:7]
+    return serving_claims() + restart_claims(headline=True) + first_use_claims()[1:2] + fp8_claims()[:7]
 
 
 def all_claims() -> dict[str, list[str]]:
