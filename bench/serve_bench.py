@@ -159,6 +159,23 @@ def request_plan(kinds=REQUEST_KINDS) -> list[tuple[Kind, str]]:
     return [(kind, occurrence) for kind in kinds for occurrence in ("first", *REPEATS)]
 
 
+ORDERS = ("kind", "request")
+
+
+def request_schedule(kinds, names: list[str], order: str = "kind") -> list[tuple[Kind, str, str]]:
+    """(kind, occurrence, server) in the order they are sent, one at a time.
+
+    ``kind`` (the default): per kind, each server's first and repeats back to back, one server after
+    the other; every first follows the other server's last repeat (or, for the first server, the
+    other's block of the previous kind), never the other server's first. ``request`` (the order of
+    the runs published before it): each request on every server in turn, so the second server's
+    first always follows the first server's first: right after whatever lazy work that one did
+    (plain `vllm serve` compiling), never after a repeat."""
+    if order == "request":
+        return [(kind, occurrence, name) for kind, occurrence in request_plan(kinds) for name in names]
+    return [(kind, occurrence, name) for kind in kinds for name in names for occurrence in ("first", *REPEATS)]
+
+
 def long_prompt_words(tokenizer_json: Path, target: int = LONG_PROMPT_TOKENS) -> int:
     """Words of ``prompt_text`` that make at least `target` tokens with this tokenizer."""
     from tokenizers import Tokenizer
@@ -747,8 +764,8 @@ def send(client, kind: Kind, body: dict, seed: int = 0) -> dict:
 
 
 def measure_phase(servers: list[Server], phase: str, model: str, long_words: int, deadline: float, log,
-                  kinds=REQUEST_KINDS) -> dict:
-    """Every request of the plan on each ready server, one at a time, alternating servers per kind."""
+                  kinds=REQUEST_KINDS, order: str = "kind") -> dict:
+    """Every request of the plan on each ready server, one at a time, in `order` (:func:`request_schedule`)."""
     from openai import OpenAI
 
     clients = {s.name: OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=300, max_retries=0)
@@ -758,36 +775,37 @@ def measure_phase(servers: list[Server], phase: str, model: str, long_words: int
     offsets = {s.name: s.log_lines(0)[1] for s in servers}
     marks = {s.name: time.time() for s in servers}
     between = {s.name: [] for s in servers}
-    for kind, occurrence in request_plan(kinds):
-        seed = content_seed(phase, kind.name, occurrence)
+    by_name = {s.name: s for s in servers}
+    for kind, occurrence, name in request_schedule(kinds, list(by_name), order):
+        seed = content_seed(phase, kind.name, occurrence)  # the same content on every server
         body = build_request(kind, seed, "bench", long_words)
-        for s in servers:
-            if time.time() > deadline:
-                records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "cut: out of time"})
-                continue
-            if not s.alive():
-                records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "server exited"})
-                continue
-            t0 = time.time()
-            between[s.name].append((marks[s.name], t0))
-            try:
-                rec = send(clients[s.name], kind, body, seed)
-            except Exception as exc:  # noqa: BLE001  (a failed request is recorded, the run goes on)
-                rec = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            t1 = time.time()
-            time.sleep(0.05)  # let the servers' log lines of this request reach the file
-            lines, offsets[s.name] = s.log_lines(offsets[s.name])
-            after = snapshot(s.cache)
-            new = sorted(after - snaps[s.name])
-            snaps[s.name] = after
-            marks[s.name] = time.time()
-            rec.update({"kind": kind.name, "occurrence": occurrence, "t0": round(t0, 4), "t1": round(t1, 4),
-                        "lazy": summarize_lazy(events_between(load_events(s.events_path), t0, t1), new, lines)})
-            records[s.name].append(rec)
-            log(f"{phase} {s.name:5s} {kind.name:17s} {occurrence:6s} {fmt_ms(rec.get('s'))} ms"
-                f"{'  ttft ' + fmt_ms(rec['ttft_s']) + ' ms' if rec.get('ttft_s') is not None else ''}"
-                f"  lazy {rec['lazy']['n']}+{rec['lazy']['frontend_n']}"
-                f"{'  ' + rec['error'] if rec.get('error') else ''}")
+        s = by_name[name]
+        if time.time() > deadline:
+            records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "cut: out of time"})
+            continue
+        if not s.alive():
+            records[s.name].append({"kind": kind.name, "occurrence": occurrence, "error": "server exited"})
+            continue
+        t0 = time.time()
+        between[s.name].append((marks[s.name], t0))
+        try:
+            rec = send(clients[s.name], kind, body, seed)
+        except Exception as exc:  # noqa: BLE001  (a failed request is recorded, the run goes on)
+            rec = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        t1 = time.time()
+        time.sleep(0.05)  # let the servers' log lines of this request reach the file
+        lines, offsets[s.name] = s.log_lines(offsets[s.name])
+        after = snapshot(s.cache)
+        new = sorted(after - snaps[s.name])
+        snaps[s.name] = after
+        marks[s.name] = time.time()
+        rec.update({"kind": kind.name, "occurrence": occurrence, "t0": round(t0, 4), "t1": round(t1, 4),
+                    "lazy": summarize_lazy(events_between(load_events(s.events_path), t0, t1), new, lines)})
+        records[s.name].append(rec)
+        log(f"{phase} {s.name:5s} {kind.name:17s} {occurrence:6s} {fmt_ms(rec.get('s'))} ms"
+            f"{'  ttft ' + fmt_ms(rec['ttft_s']) + ' ms' if rec.get('ttft_s') is not None else ''}"
+            f"  lazy {rec['lazy']['n']}+{rec['lazy']['frontend_n']}"
+            f"{'  ' + rec['error'] if rec.get('error') else ''}")
     out = {}
     for s in servers:
         events = load_events(s.events_path)
@@ -965,7 +983,7 @@ def run(args) -> int:
                         with sync_lock(args.sync_lock, exclusive=True) as waited:
                             phase_rec["lock_wait_s"]["requests"] = round(waited, 1)
                             measured = measure_phase(ready, label, "bench", long_words, deadline - 15, log,
-                                                     kinds_of(args))
+                                                     kinds_of(args), args.order)
                             stats_wait()  # SERVE_PROBE_STATS: each process's line after the last request
                             for s in group:  # stopped before the lock goes: a server's shutdown is CPU
                                 s.stop()     # that the next benchmark's first requests would share
@@ -1232,6 +1250,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kwarm-env", action="append", default=[], metavar="KWARM_NAME=VALUE",
                     help="one more variable of kwarm's server (repeatable; e.g. KWARM_WARMUPS=-eager_gemm)")
     ap.add_argument("--kinds", help="comma list of request kinds to send (default: all of them)")
+    ap.add_argument("--order", choices=ORDERS, default="kind",
+                    help="kind: per kind, one server's first and repeats, then the other's (no first right "
+                         "after the other server's first); request: each request on every server in turn "
+                         "(the order of runs published before 2026-12-07's serve-steady)")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds a start may take")
     ap.add_argument("--sync-lock", metavar="FILE", help="a lock file shared with benchmarks beside this one")
     ap.add_argument("--budget", type=float, default=560, help="seconds for everything (restarts are skipped to fit)")

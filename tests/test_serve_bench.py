@@ -99,6 +99,24 @@ def test_the_request_set_covers_what_operators_send():
         assert "ignore_eos" not in bodies[name].get("extra_body", {})
 
 
+def test_no_servers_first_follows_the_other_servers_first():
+    """The default order sends each server's first and repeats of a kind back to back: a first never
+    comes right after the other server's first (which, on plain `vllm serve`, compiles); the order
+    of the runs published before it (``request``) always put kwarm's first there."""
+    kinds = serve_bench.REQUEST_KINDS[:3]
+    names = ["plain", "kwarm"]
+    for order in serve_bench.ORDERS:
+        schedule = serve_bench.request_schedule(kinds, names, order)
+        assert sorted((k.name, o, n) for k, o, n in schedule) == sorted(
+            (k.name, o, n) for k in kinds for o in ("first", *serve_bench.REPEATS) for n in names), "every request once"
+        after_first = [(a[2], b[2]) for a, b in zip(schedule, schedule[1:]) if a[1] == "first" and b[1] == "first"]
+        assert (after_first == []) == (order == "kind"), (order, after_first)
+    kind_order = serve_bench.request_schedule(kinds, names)
+    assert [(k.name, o, n) for k, o, n in kind_order[:5]] == [
+        (kinds[0].name, "first", "plain"), (kinds[0].name, "repeat", "plain"), (kinds[0].name, "repeat2", "plain"),
+        (kinds[0].name, "repeat3", "plain"), (kinds[0].name, "first", "kwarm")]
+
+
 def test_every_first_occurrence_is_followed_by_its_repeat_with_other_content():
     plan = serve_bench.request_plan()
     assert [o for _, o in plan] == ["first", "repeat", "repeat2", "repeat3"] * len(serve_bench.REQUEST_KINDS)
