@@ -265,23 +265,28 @@ def summarize_lazy(events: list[dict], new_files=(), log_lines=()) -> dict:
     """What a request (or an interval) met for the first time, by surface and name.
 
     ``counts`` per surface in ``COUNTED`` (compiles, builds and loads) and ``FRONTEND`` (front-end
-    first-use work over ``FRONTEND_MIN_S``), ``names`` (``{surface: {name: count}}``), ``frontend_ms``
-    and the matching log lines."""
+    first-use work over ``FRONTEND_MIN_S``), ``names`` (``{surface: {name: count}}``), ``frontend_ms``,
+    ``seconds`` (the probe's summed time per ``COUNTED`` surface: at start, how long CuTe DSL's
+    compiles or Triton's disk loads held the engine) and the matching log lines."""
     names: dict[str, dict[str, int]] = {}
     frontend_ms: dict[str, float] = {}
+    seconds: dict[str, float] = {}
 
-    def add(surface, name):
+    def add(surface, name, took=None):
         names.setdefault(surface, {})
         names[surface][name] = names[surface].get(name, 0) + 1
+        if took is not None and surface in COUNTED:
+            seconds[surface] = seconds.get(surface, 0.0) + took
 
     for e in events:
         kind, name = e.get("kind"), str(e.get("name", "?"))
+        took = e.get("s")
         if kind == "triton":
-            add("triton_disk" if e.get("cache_hit") else "triton", name)
+            add("triton_disk" if e.get("cache_hit") else "triton", name, took)
         elif kind == "flashinfer":
-            add("flashinfer_built" if e.get("built") else "flashinfer_loaded", name)
+            add("flashinfer_built" if e.get("built") else "flashinfer_loaded", name, took)
         elif kind in ("cute_dsl", "torch_compile"):
-            add(kind, name)
+            add(kind, name, took)
         elif kind in FRONTEND and (e.get("s") or 0) >= FRONTEND_MIN_S:
             add(kind, name)
             frontend_ms[name] = round(frontend_ms.get(name, 0) + 1000 * e["s"], 2)
@@ -294,6 +299,7 @@ def summarize_lazy(events: list[dict], new_files=(), log_lines=()) -> dict:
     return {"n": sum(counts.get(s, 0) for s in COUNTED),
             "frontend_n": sum(counts.get(s, 0) for s in FRONTEND),
             "counts": counts, "names": names, "frontend_ms": frontend_ms,
+            "seconds": {k: round(v, 2) for k, v in seconds.items()},
             "log": [line[:300] for line in log_lines if LOG_RE.search(line)][:20]}
 
 
@@ -1038,7 +1044,8 @@ def lazy_text(lazy: dict | None, max_names: int = 4) -> str:
             ms = sum(lazy.get("frontend_ms", {}).get(n, 0) for n in names)
             parts.append(f"{label} {ms:.0f} ms ({listed}{more})")
         else:
-            parts.append(f"{label} {sum(names.values())} ({listed}{more})")
+            took = lazy.get("seconds", {}).get(surface)  # results before 2026-12-07 have none
+            parts.append(f"{label} {sum(names.values())}{'' if took is None else f', {took:.1f} s'} ({listed}{more})")
     return "; ".join(parts) or "0"
 
 

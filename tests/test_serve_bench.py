@@ -175,6 +175,23 @@ def test_the_probe_records_each_surface_in_a_real_interpreter(tmp_path, model_di
     assert lazy["n"] == 2 + lazy["counts"]["torch_compile"]
 
 
+def test_lazy_work_carries_its_time_per_surface():
+    """The probe's seconds add up per compiled surface (what CuTe DSL's compiles cost a start, on
+    every restart too), and the table says them; a result without them (before 2026-12-07) reads as
+    before."""
+    events = [{"kind": "cute_dsl", "name": "CPDeltaRulePrefillSm90", "s": 3.5},
+              {"kind": "cute_dsl", "name": "LLBf16Dotprod", "s": 0.25},
+              {"kind": "triton", "name": "_k", "cache_hit": True, "s": 0.004},
+              {"kind": "xgrammar", "name": "TokenizerInfo.from_huggingface", "s": 0.02}]
+    lazy = serve_bench.summarize_lazy(events)
+    assert lazy["seconds"] == {"cute_dsl": 3.75, "triton_disk": 0.0}
+    text = serve_bench.lazy_text(lazy)
+    assert "triton disk 1, 0.0 s (_k)" in text and "cute dsl 2, 3.8 s (CPDeltaRulePrefillSm90, LLBf16Dotprod)" in text
+    assert "xgrammar 20 ms" in text
+    del lazy["seconds"]
+    assert "cute dsl 2 (CPDeltaRulePrefillSm90, LLBf16Dotprod)" in serve_bench.lazy_text(lazy)
+
+
 STATS = """
 import os, sys, time
 from vllm.v1.structured_output import StructuredOutputManager
