@@ -275,7 +275,7 @@ def summarize_lazy(events: list[dict], new_files=(), log_lines=()) -> dict:
     def add(surface, name, took=None):
         names.setdefault(surface, {})
         names[surface][name] = names[surface].get(name, 0) + 1
-        if took is not None and surface in COUNTED:
+        if took is not None:  # compiles, builds and loads only: front-end work has frontend_ms
             seconds[surface] = seconds.get(surface, 0.0) + took
 
     for e in events:
@@ -287,9 +287,9 @@ def summarize_lazy(events: list[dict], new_files=(), log_lines=()) -> dict:
             add("flashinfer_built" if e.get("built") else "flashinfer_loaded", name, took)
         elif kind in ("cute_dsl", "torch_compile"):
             add(kind, name, took)
-        elif kind in FRONTEND and (e.get("s") or 0) >= FRONTEND_MIN_S:
+        elif kind in FRONTEND and (took or 0) >= FRONTEND_MIN_S:
             add(kind, name)
-            frontend_ms[name] = round(frontend_ms.get(name, 0) + 1000 * e["s"], 2)
+            frontend_ms[name] = round(frontend_ms.get(name, 0) + 1000 * took, 2)
     for rel in new_files:
         surface = cache_surface(rel)
         if surface and surface[0] in ("deep_gemm", "tilelang", "tvm_ffi"):
