@@ -32,6 +32,7 @@ class EngineView:
     tp_rank: int | None = None
     tp_size: int | None = None
     before_profile_run: bool = False  # built by the ahead run with vLLM's profile run next
+    after_capture: bool = False  # planned by the after-capture run (a family that runs ahead and after capture)
     missing: dict = dataclasses.field(default_factory=dict)  # read -> reason
     worker: Any = dataclasses.field(default=None, repr=False, compare=False)
     runner: Any = dataclasses.field(default=None, repr=False, compare=False)

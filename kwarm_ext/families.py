@@ -25,7 +25,9 @@ A family is a module under ``kernels/`` (shipped as ``kwarm_ext.kernels``) with:
   ahead run did not take;
 - with ``after_capture=True`` in the table, the family is planned and run once
   ``Worker.compile_or_warm_up_model`` has returned, after vLLM's CUDA-graph capture
-  (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup.
+  (``kwarm_ext.warmup.after_capture``), instead of in kwarm's warmup. A family with both
+  ``ahead`` and ``after_capture`` (``cute_dsl``: load before the profile run, save after capture)
+  runs at both; its ``plan`` tells them apart by the view's ``after_capture``.
 
 ``replay`` is not a kernel recipe but the learn-and-replay machinery, so it lives in
 kwarm_ext/surfaces/triton/replay.py rather than under ``kernels/``. ``frontend`` (kwarm_ext/frontend.py) runs in
@@ -91,6 +93,11 @@ FAMILIES = {
                "0.20-0.34); before 0.33 it skips weights whose N is not a multiple of 128, and every "
                "release skips grouped layouts between its counts; kwarm compiles all of them in "
                "parallel first", ahead=True, before_load=True),
+        Family("cute_dsl", "kwarm_ext.kernels.cute_dsl",
+               "FlashInfer's CuTe DSL kernels it keeps in memory only (SM90 GDN prefill): saved after "
+               "CUDA-graph capture, loaded before the next start's profile run instead of compiled again",
+               "none: FlashInfer (0.7.2) compiles its SM90 GDN prefill kernels on every start, and neither "
+               "it nor vLLM (0.33) persists them", ahead=True, after_capture=True),
         Family("replay", "kwarm_ext.surfaces.triton.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",

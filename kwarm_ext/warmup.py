@@ -313,6 +313,8 @@ def after_capture(worker) -> dict | None:
     names = [name for name, family in FAMILIES.items() if family.after_capture]
     if not names:
         return None
+    if view is not None:
+        view.after_capture = True  # a family that also runs ahead plans its after-capture steps
     t0 = time.perf_counter()
     bound = memory.begin(worker, after_capture=True)
     try:

@@ -395,7 +395,7 @@ def test_ahead_results_join_the_workers_summary_and_report(monkeypatch, kwarm_en
     kwarm_env(KWARM_WARMUPS="deep_gemm,runner", KWARM_LOG_LEVEL="DEBUG")  # the detail line is DEBUG's
     worker = stand_in_worker()
     results = warmup.ahead(worker)
-    assert [(r.name, r.status, r.reason) for r in results] == [
+    assert [(r.name, r.status, r.reason) for r in results if r.reason != "disabled by KWARM_WARMUPS"] == [
         ("deep_gemm", "skipped", "runner device cpu is not CUDA")]
     report = warmup.run(worker)
     names = [f["name"] for f in report["families"]]
@@ -475,7 +475,7 @@ def test_processes_started_before_the_load_end_with_the_ahead_run_that_did_not_t
     assert any("the parent of 2 compile processes started beside weight loading" in m
                for m in kwarm_log.messages(logging.INFO))
     results = warmup.ahead(worker)
-    assert [(r.name, r.status) for r in results] == [("deep_gemm", "skipped")]
+    assert [(r.name, r.status) for r in results if r.name == "deep_gemm"] == [("deep_gemm", "skipped")]
     assert id(worker) not in dg._early and proc.wait(timeout=60) is not None
 
 

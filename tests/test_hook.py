@@ -203,7 +203,8 @@ def test_ahead_families_run_before_vllms_profile_run_once_per_worker(monkeypatch
     kwarm_env(KWARM_WARMUPS="deep_gemm,runner", KWARM_LOG_LEVEL="DEBUG")  # the detail line is DEBUG's
     planned, calls = [], []
     real_ahead = warmup.ahead
-    monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: planned.append([r.name for r in real_ahead(worker)]) or [])
+    monkeypatch.setattr(warmup, "ahead", lambda worker, **kw: planned.append([r.name for r in real_ahead(worker)
+                                                                                 if r.reason != "disabled by KWARM_WARMUPS"]) or [])
     module = types.ModuleType("stand_in_gpu_worker")
     module.Worker = type("Worker", (), {"determine_available_memory": lambda self: calls.append(list(planned)) or 7})
     module.kernel_warmup = lambda worker: calls.append("vllm kernel_warmup")
