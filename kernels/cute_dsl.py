@@ -11,8 +11,9 @@ Why:
     - vLLM's MoE router GEMM (``ll_bf16_gemm``, ``gate_linear.py``), which vLLM's ``cutedsl_warmup``
       compiles at every start.
     Measured with ``vllm serve`` of a tiny Qwen3-Next on an H100 (vLLM 0.33.0, FlashInfer
-    0.7.2.post1, BENCHMARKS.md): 7 GDN prefill kernels took 19.8 s, inside vLLM's profile run, and
-    16 router GEMM kernels 3.6 s, of a 79 s warm restart.
+    0.7.2.post1, BENCHMARKS.md's ``serve-restart/``): 7 GDN prefill kernels, inside vLLM's profile
+    run, and 16 router GEMM kernels compiled on the cold start and again on the warm restart, in
+    both servers.
 
 How:
     - after capture (``after_capture``): every kernel of those dicts that this process compiled

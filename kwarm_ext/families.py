@@ -94,10 +94,11 @@ FAMILIES = {
                "release skips grouped layouts between its counts; kwarm compiles all of them in "
                "parallel first", ahead=True, before_load=True),
         Family("cute_dsl", "kwarm_ext.kernels.cute_dsl",
-               "FlashInfer's CuTe DSL kernels it keeps in memory only (SM90 GDN prefill): saved after "
-               "CUDA-graph capture, loaded before the next start's profile run instead of compiled again",
-               "none: FlashInfer (0.7.2) compiles its SM90 GDN prefill kernels on every start, and neither "
-               "it nor vLLM (0.33) persists them", ahead=True, after_capture=True),
+               "CuTe DSL kernels FlashInfer and vLLM keep in memory only (FlashInfer's SM90 GDN prefill, vLLM's "
+               "bf16 router GEMM): saved after CUDA-graph capture, loaded before the next start's profile run "
+               "instead of compiled again",
+               "none: FlashInfer (0.7.2) compiles its SM90 GDN prefill kernels and vLLM (0.33) its router GEMM's "
+               "on every start, and neither persists them", ahead=True, after_capture=True),
         Family("replay", "kwarm_ext.surfaces.triton.replay",
                "learn and replay: compiles what earlier runs of this deployment compiled late "
                "(KWARM_LEARN); applies when a manifest exists",
