@@ -418,6 +418,13 @@ def load_source(source: Source, base: str, details: dict) -> list:
     reason = trusted(where)
     if reason:
         raise ValueError(f"{where}: {reason}")
+    try:
+        found = source.module in sys.modules or importlib.util.find_spec(source.module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:  # saved by a release that had it
+        details[source.name] = {"folder": where, "loaded": 0}
+        return [f"{source.label}: {source.module} is not in this installation"]
     result = load(where, source.caches(importlib.import_module(source.module)))
     details[source.name] = {"folder": where, **result}
     if result["refused"]:

@@ -256,3 +256,17 @@ def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, lo
     monkeypatch.setattr(fam, "stack", lambda source: dict(META, flashinfer="0.7.3"))
     assert fam.load_source(source, str(tmp_path), {}) == ["FlashInfer GDN prefill: none saved for this CuTe DSL stack"]
     assert getattr(flashinfer, D) == {} and not load_module
+
+
+def test_a_source_whose_module_is_gone_loads_nothing_in_one_label(tmp_path, gdn_module, load_module, monkeypatch):
+    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+    setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("saved")})
+    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
+    source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
+    monkeypatch.setattr(fam, "stack", lambda source: META)
+    fam.save_source(source, str(tmp_path), {})
+    monkeypatch.delitem(sys.modules, flashinfer.__name__)  # an upgrade without it
+    details = {}
+    assert fam.load_source(source, str(tmp_path), details) == [
+        "FlashInfer GDN prefill: kwarm_test_flashinfer_cache is not in this installation"]
+    assert details["flashinfer_gdn"]["loaded"] == 0 and not load_module
