@@ -105,6 +105,7 @@ def main(argv) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         report["seconds"], outputs = run_calls()
         report["compiled"] = kernels()
+        print(json.dumps({"mode": mode, "calls_s": report["seconds"], "compiled": report["compiled"]}), flush=True)
         report["save"] = {s.name: cute_dsl.save(where(s), caches()[s.name], cute_dsl.stack(s)) for s in cute_dsl.SOURCES}
         torch.save(outputs, folder / "outputs.pt")
     else:
