@@ -105,8 +105,23 @@ def manifests(settings) -> dict:
 
     directory = cache_dir()
     found = sorted(glob.glob(os.path.join(directory, "*.json")))
+    folders = glob.glob(os.path.join(directory, "*.cute_dsl"))
+    if settings.manifest:
+        folders.append(os.path.splitext(settings.manifest)[0] + ".cute_dsl")
     return {"directory": directory, "override": settings.manifest, "found": found,
-            "override_exists": bool(settings.manifest) and os.path.isfile(settings.manifest)}
+            "override_exists": bool(settings.manifest) and os.path.isfile(settings.manifest),
+            "cute_dsl": {folder: saved_cute_dsl(folder) for folder in sorted(set(folders)) if os.path.isdir(folder)}}
+
+
+def saved_cute_dsl(folder: str) -> dict:
+    """The ``cute_dsl`` family's saved kernels in a deployment's folder: source -> count of ``.o``
+    files over its stacks' subfolders (names only, nothing loaded)."""
+    counts = {}
+    for source in sorted(os.listdir(folder)):
+        n = len(glob.glob(os.path.join(folder, source, "*", "*.o")))
+        if n:
+            counts[source] = n
+    return counts
 
 
 def gpu() -> dict:
@@ -318,6 +333,11 @@ def render(r: dict) -> str:
         lines.append(f"  KWARM_MANIFEST {m['override']} ({'exists' if m['override_exists'] else 'absent'})")
     lines.append(f"  {m.get('directory')}: {len(m.get('found', []))} manifests")
     lines += [f"    {os.path.basename(path)}" for path in m.get("found", [])[:20]]
+    saved = m.get("cute_dsl") or {}
+    if saved:
+        lines.append(f"  saved CuTe DSL kernels (cute_dsl family), {len(saved)} deployments:")
+        lines += [f"    {os.path.basename(folder)}: " + (", ".join(f"{source} {n}" for source, n in counts.items()) or "none")
+                  for folder, counts in list(saved.items())[:20]]
     lines += ["", "configuration:"] + [f"  {k:21s} {v}" for k, v in r["config"].items()]
     if r["config_problems"]:  # each problem is said once, in the verdict at the top
         lines.append(f"  ({len(r['config_problems'])} problem(s): see the top)")

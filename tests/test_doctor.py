@@ -248,3 +248,25 @@ def test_kwarm_command_knows_kwarms_cli_in_each_form():
     assert not kwarm_command("doctor", ["/venv/bin/vllm", "serve", "doctor"])  # a model called doctor
     assert not kwarm_command("--json", ["/venv/bin/kwarm", "doctor"])
     assert not kwarm_command("doctor", ["/venv/bin/kwarmish", "doctor"])
+
+
+def test_doctor_lists_the_cute_dsl_kernels_each_deployment_saved(tmp_path):
+    """The cute_dsl family's folders beside the manifests: counts per source, nothing loaded."""
+    from kwarm_ext import doctor as doctor_module
+
+    cache = tmp_path / "kwarm"
+    for source, stack, n in (("flashinfer_gdn", "0123456789abcdef", 7), ("vllm_router_gemm", "fedcba9876543210", 16)):
+        folder = cache / "Qwen3-Next.tp1.cuda90.abc.cute_dsl" / source / stack
+        folder.mkdir(parents=True)
+        for i in range(n):
+            (folder / f"kwarm_cute_{i}.o").write_bytes(b"")
+            (folder / f"kwarm_cute_{i}.json").write_text("{}")
+    (cache / "Other.tp1.cuda90.def.cute_dsl").mkdir()
+    r = doctor(clean_env(XDG_CACHE_HOME=str(tmp_path), CUDA_VISIBLE_DEVICES=""), status=4)
+    saved = {Path(k).name: v for k, v in r["manifests"]["cute_dsl"].items()}
+    assert saved == {"Qwen3-Next.tp1.cuda90.abc.cute_dsl": {"flashinfer_gdn": 7, "vllm_router_gemm": 16},
+                     "Other.tp1.cuda90.def.cute_dsl": {}}
+    text = doctor_module.render(r)
+    assert "  saved CuTe DSL kernels (cute_dsl family), 2 deployments:" in text
+    assert "    Qwen3-Next.tp1.cuda90.abc.cute_dsl: flashinfer_gdn 7, vllm_router_gemm 16" in text
+    assert "    Other.tp1.cuda90.def.cute_dsl: none" in text
