@@ -404,9 +404,10 @@ def save_source(source: Source, base: str, details: dict) -> list:
     where = subfolder(os.path.join(base, source.name), meta)
     result = save(where, imported_caches(source), meta)
     details[source.name] = {"folder": where, **result}
-    for label, reason in result["skipped"]:
-        logger.warning("kwarm: cute_dsl: a %s kernel (%s) was not saved, it compiles at the next start: %s",
-                       source.label, label, reason)
+    if result["skipped"]:
+        label, reason = result["skipped"][0]
+        logger.warning("kwarm: cute_dsl: %d %s kernels not saved, they compile at the next start; first: %s: %s",
+                       len(result["skipped"]), source.label, label, reason)
     return [f"{source.label}: {result['saved']} kernels saved in {result['seconds']:.2f} s"] if result["saved"] else []
 
 

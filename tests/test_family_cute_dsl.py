@@ -270,3 +270,24 @@ def test_a_source_whose_module_is_gone_loads_nothing_in_one_label(tmp_path, gdn_
     assert fam.load_source(source, str(tmp_path), details) == [
         "FlashInfer GDN prefill: kwarm_test_flashinfer_cache is not in this installation"]
     assert details["flashinfer_gdn"]["loaded"] == 0 and not load_module
+
+
+class Unexportable(Compiled):
+    def export_to_c(self, path, function_name):
+        raise RuntimeError("no execution engine")
+
+
+def test_kernels_that_cannot_be_exported_are_one_warning_and_the_rest_are_saved(tmp_path, gdn_module, monkeypatch, caplog):
+    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+    keys = [gdn_key(gdn_module, strides=(n, 128, 1)) for n in (1, 2, 3)]
+    setattr(flashinfer, D, {keys[0]: Unexportable("a"), keys[1]: Unexportable("b"), keys[2]: Compiled("c")})
+    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
+    source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
+    monkeypatch.setattr(fam, "stack", lambda source: META)
+    with caplog.at_level("WARNING", logger="kwarm"):
+        labels = fam.save_source(source, str(tmp_path), {})
+    assert labels[0].startswith("FlashInfer GDN prefill: 1 kernels saved in ")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kwarm"]
+    assert warnings == ["kwarm: cute_dsl: 2 FlashInfer GDN prefill kernels not saved, they compile at the next start; "
+                        "first: _Kernel: RuntimeError: no execution engine"]
+    assert not [n for n in os.listdir(next((tmp_path / "flashinfer_gdn").iterdir())) if n.endswith(".tmp")]
