@@ -108,7 +108,7 @@ MAX_OBJECT_BYTES = 512 << 20
 MAX_DEPTH = 8
 SUBFOLDER = re.compile(r"[0-9a-f]{16}")
 
-_loaded: dict = {}  # dict key -> the function this process loaded for it (not saved again)
+_on_disk: dict = {}  # (dict path, key) -> the function this process loaded or saved for it (not saved again)
 
 
 # ---------------------------------------------------------------------------- keys
@@ -295,7 +295,7 @@ def load(where: str, caches: dict) -> dict:
                 continue
             function = getattr(cute.runtime.load_module(object_path, enable_tvm_ffi=True), stem)
             cache[key] = function
-            _loaded[(raw["dict"], key)] = function
+            _on_disk[(raw["dict"], key)] = function
             out["loaded"] += 1
         except Exception as exc:  # noqa: BLE001  (bad files and the DSL's own load errors: it compiles as before)
             out["refused"].append((name, f"{type(exc).__name__}: {exc}"[:300]))
@@ -304,15 +304,15 @@ def load(where: str, caches: dict) -> dict:
 
 
 def save(where: str, caches: dict, meta: dict) -> dict:
-    """Export the kernels of `caches` (attribute path -> dict) that this process compiled (not
-    loaded, not saved yet) into `where`, a stack's subfolder, which replaces the other stacks'
-    beside it. Returns {"saved": n, "skipped": [(kernel, reason)], "seconds": s}."""
+    """Export the kernels of `caches` (attribute path -> dict) that this process compiled rather
+    than loaded into `where`, a stack's subfolder, which replaces the other stacks' beside it
+    (a kernel whose files this start refused to load is written again). Returns {"saved": n, "skipped": [(kernel, reason)], "seconds": s}."""
     from kwarm_ext import manifest_files
 
     t0 = time.perf_counter()
     out = {"saved": 0, "skipped": []}
     fresh = [(path, k, f) for path, cache in caches.items() for k, f in list(cache.items())
-             if _loaded.get((path, k)) is not f]
+             if _on_disk.get((path, k)) is not f]
     if not fresh:
         out["seconds"] = 0.0
         return out
@@ -330,9 +330,7 @@ def save(where: str, caches: dict, meta: dict) -> dict:
         try:
             raw = encode(key)
             stem = symbol(raw, dict_path)
-            object_path = os.path.join(where, stem + ".o")
-            if os.path.exists(object_path) and os.path.exists(os.path.join(where, stem + ".json")):
-                continue
+            object_path = os.path.join(where, stem + ".o")  # replaced where a file this start refused was
             tmp = os.path.join(where, f".{stem}.{os.getpid()}.o.tmp")
             try:
                 function.export_to_c(tmp, function_name=stem)
@@ -344,6 +342,7 @@ def save(where: str, caches: dict, meta: dict) -> dict:
             # the key last: a kernel without its key is never loaded
             manifest_files.write_atomic(os.path.join(where, stem + ".json"), json.dumps(
                 {"dict": dict_path, "key": raw, "kernel": label}, sort_keys=True) + "\n")
+            _on_disk[(dict_path, key)] = function
             out["saved"] += 1
         except Exception as exc:  # noqa: BLE001  (one kernel not saved: it compiles at the next start)
             out["skipped"].append((label, f"{type(exc).__name__}: {exc}"[:300]))

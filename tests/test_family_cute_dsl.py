@@ -132,7 +132,7 @@ def test_saved_kernels_load_into_a_new_processes_dict_under_equal_keys(tmp_path,
     saved = fam.save(where, {D: {k: Compiled(f"k{i}") for i, k in enumerate(keys)}}, META)
     assert saved["saved"] == 3 and not saved["skipped"]
     assert json.load(open(os.path.join(where, "meta.json"))) == META
-    fam._loaded.clear()  # a new process
+    fam._on_disk.clear()  # a new process
     cache = {}
     result = fam.load(where, {D: cache})
     assert result["loaded"] == 3 and not result["refused"]
@@ -164,7 +164,7 @@ def test_load_refuses_a_tampered_kernel_in_one_line_and_loads_the_rest(tmp_path,
     fam.save(where, {D: {good: Compiled("good"), bad: Compiled("bad")}}, META)
     stem = fam.symbol(fam.encode(bad), D)
     tamper(os.path.join(where, stem + ".json"), os.path.join(where, stem + ".o"))
-    fam._loaded.clear()
+    fam._on_disk.clear()
     cache = {}
     result = fam.load(where, {D: cache})
     assert result["loaded"] == 1 and cache == {good: ("loaded", "good")}
@@ -179,7 +179,7 @@ def test_a_new_stack_replaces_the_kernels_of_the_old_one(tmp_path, gdn_module):
     new_meta = dict(META, cute_dsl="nvidia-cutlass-dsl==next")
     new = fam.subfolder(base, new_meta)
     assert new != old
-    fam._loaded.clear()
+    fam._on_disk.clear()
     assert fam.save(new, {D: {gdn_key(gdn_module): Compiled("new")}}, new_meta)["saved"] == 1
     assert os.listdir(base) == [os.path.basename(new)]
 
@@ -191,7 +191,7 @@ def test_keys_of_plain_values_round_trip_and_land_in_their_own_dict(tmp_path, lo
              "ll_bf16_gemm_kernel._splitk_cache": {}}
     where = str(tmp_path / "r")
     assert fam.save(where, dicts, META)["saved"] == 2
-    fam._loaded.clear()
+    fam._on_disk.clear()
     fresh = {path: {} for path in dicts}
     assert fam.load(where, fresh)["loaded"] == 2
     assert fresh["ll_bf16_gemm_kernel._compiled_cache"] == {(3, 512, 128, torch.float32): ("loaded", "m3")}
@@ -231,7 +231,7 @@ def test_the_family_loads_ahead_and_saves_after_capture(tmp_path, gdn_module, lo
     assert [label for step in plan.steps for label in step.run()] == [
         f"vLLM router GEMM: 1 kernels saved in {plan.details()['vllm_router_gemm']['seconds']:.2f} s"]
     # the next start: a new process, its dicts empty until kwarm's ahead run
-    fam._loaded.clear()
+    fam._on_disk.clear()
     setattr(flashinfer, D, {})
     router.ll_bf16_gemm_kernel._compiled_cache = {}
     view = EngineView(worker=object(), device="cpu")
@@ -251,7 +251,7 @@ def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, lo
     source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
     monkeypatch.setattr(fam, "stack", lambda source: META)
     fam.save_source(source, str(tmp_path), {})
-    fam._loaded.clear()
+    fam._on_disk.clear()
     setattr(flashinfer, D, {})
     monkeypatch.setattr(fam, "stack", lambda source: dict(META, flashinfer="0.7.3"))
     assert fam.load_source(source, str(tmp_path), {}) == ["FlashInfer GDN prefill: none saved for this CuTe DSL stack"]
@@ -291,3 +291,19 @@ def test_kernels_that_cannot_be_exported_are_one_warning_and_the_rest_are_saved(
     assert warnings == ["kwarm: cute_dsl: 2 FlashInfer GDN prefill kernels not saved, they compile at the next start; "
                         "first: _Kernel: RuntimeError: no execution engine"]
     assert not [n for n in os.listdir(next((tmp_path / "flashinfer_gdn").iterdir())) if n.endswith(".tmp")]
+
+
+def test_a_kernel_refused_at_load_is_written_again_and_loads_at_the_next_start(tmp_path, gdn_module, load_module):
+    key = gdn_key(gdn_module)
+    where = str(tmp_path / "s")
+    fam.save(where, {D: {key: Compiled("first")}}, META)
+    stem = fam.symbol(fam.encode(key), D)
+    os.chmod(os.path.join(where, stem + ".o"), 0o666)
+    fam._on_disk.clear()
+    cache = {}
+    assert fam.load(where, {D: cache})["loaded"] == 0
+    cache[key] = Compiled("compiled again")  # what the library then compiles
+    assert fam.save(where, {D: cache}, META)["saved"] == 1
+    fam._on_disk.clear()
+    fresh = {}
+    assert fam.load(where, {D: fresh})["loaded"] == 1 and fresh == {key: ("loaded", "compiled again")}
