@@ -331,6 +331,7 @@ def save(where: str, caches: dict, meta: dict) -> dict:
             raw = encode(key)
             stem = symbol(raw, dict_path)
             object_path = os.path.join(where, stem + ".o")  # replaced where a file this start refused was
+            manifest_files.check_writable_target(object_path)  # no link, no other user's file or folder link
             tmp = os.path.join(where, f".{stem}.{os.getpid()}.o.tmp")
             try:
                 function.export_to_c(tmp, function_name=stem)

@@ -307,3 +307,15 @@ def test_a_kernel_refused_at_load_is_written_again_and_loads_at_the_next_start(t
     fam._on_disk.clear()
     fresh = {}
     assert fam.load(where, {D: fresh})["loaded"] == 1 and fresh == {key: ("loaded", "compiled again")}
+
+
+def test_save_never_writes_through_a_link_planted_where_a_kernel_goes(tmp_path, gdn_module):
+    key = gdn_key(gdn_module)
+    where = tmp_path / "s"
+    where.mkdir()
+    target = tmp_path / "elsewhere.o"
+    target.write_text("kept")
+    os.symlink(target, where / (fam.symbol(fam.encode(key), D) + ".o"))
+    result = fam.save(str(where), {D: {key: Compiled("k")}}, META)
+    assert result["saved"] == 0 and "a symbolic link" in result["skipped"][0][1]
+    assert target.read_text() == "kept"
