@@ -44,6 +44,7 @@ Remove when:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -60,6 +61,7 @@ import time
 from kwarm_ext.families import Plan, Step
 
 logger = logging.getLogger("kwarm")
+
 
 @dataclasses.dataclass(frozen=True)
 class Source:
@@ -96,7 +98,6 @@ SOURCES = (
            ("ll_bf16_gemm_kernel._compiled_cache", "ll_bf16_gemm_kernel._splitk_cache",
             "ll_bf16_gemm_c1_pdl_kernel._compiled_cache", "ll_bf16_gemm_c1_pdl_kernel._splitk_cache"), "vllm"),
 )
-SOURCE_NAMES = {source.name: source for source in SOURCES}
 # Where a class in a saved key may come from: the package whose kernels these are, the CuTe DSL's
 # types and options, and object.
 CLASS_MODULES = ("flashinfer.gdn_kernels.", "cutlass.")
@@ -207,10 +208,19 @@ def stack(source: Source) -> dict:
     import torch
 
     major, minor = torch.cuda.get_device_capability()
+    return {"arch": f"sm_{major}{minor}{'a' if major >= 9 else ''}", "cute_dsl": cute_dsl_stack(),
+            source.dist: md.version(source.dist), "source_sha256": source_digest(source.module)}
+
+
+@functools.cache
+def cute_dsl_stack() -> str:
+    """Every installed ``nvidia-cutlass-dsl*`` distribution and version (one scan of the installed
+    distributions per process: each source's load and save ask)."""
+    import importlib.metadata as md
+
     dsl = sorted(f"{d.metadata['Name']}=={d.version}" for d in md.distributions()
                  if (d.metadata["Name"] or "").lower().startswith("nvidia-cutlass-dsl"))
-    return {"arch": f"sm_{major}{minor}{'a' if major >= 9 else ''}", "cute_dsl": ";".join(dsl) or "unknown",
-            source.dist: md.version(source.dist), "source_sha256": source_digest(source.module)}
+    return ";".join(dsl) or "unknown"
 
 
 def source_digest(module_name: str) -> str:

@@ -65,6 +65,15 @@ class Compiled:
 
 
 @pytest.fixture
+def flashinfer_source(monkeypatch):
+    """A stand-in for FlashInfer's custom_compile_cache module, imported, and the Source naming its dict."""
+    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+    setattr(flashinfer, D, {})
+    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
+    return flashinfer, fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
+
+
+@pytest.fixture
 def load_module(monkeypatch):
     calls = []
 
@@ -244,11 +253,10 @@ def test_the_family_loads_ahead_and_saves_after_capture(tmp_path, gdn_module, lo
     assert router.ll_bf16_gemm_kernel._compiled_cache == {(1, 512, 128, torch.float32): ("loaded", "warmup")}
 
 
-def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, load_module, monkeypatch):
-    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, load_module, monkeypatch,
+                                                       flashinfer_source):
+    flashinfer, source = flashinfer_source
     setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("old stack")})
-    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
-    source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
     monkeypatch.setattr(fam, "stack", lambda source: META)
     fam.save_source(source, str(tmp_path), {})
     fam._on_disk.clear()
@@ -258,11 +266,10 @@ def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, lo
     assert getattr(flashinfer, D) == {} and not load_module
 
 
-def test_a_source_whose_module_is_gone_loads_nothing_in_one_label(tmp_path, gdn_module, load_module, monkeypatch):
-    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+def test_a_source_whose_module_is_gone_loads_nothing_in_one_label(tmp_path, gdn_module, load_module, monkeypatch,
+                                                                 flashinfer_source):
+    flashinfer, source = flashinfer_source
     setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("saved")})
-    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
-    source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
     monkeypatch.setattr(fam, "stack", lambda source: META)
     fam.save_source(source, str(tmp_path), {})
     monkeypatch.delitem(sys.modules, flashinfer.__name__)  # an upgrade without it
@@ -277,12 +284,11 @@ class Unexportable(Compiled):
         raise RuntimeError("no execution engine")
 
 
-def test_kernels_that_cannot_be_exported_are_one_warning_and_the_rest_are_saved(tmp_path, gdn_module, monkeypatch, caplog):
-    flashinfer = types.ModuleType("kwarm_test_flashinfer_cache")
+def test_kernels_that_cannot_be_exported_are_one_warning_and_the_rest_are_saved(tmp_path, gdn_module, monkeypatch, caplog,
+                                                                                flashinfer_source):
+    flashinfer, source = flashinfer_source
     keys = [gdn_key(gdn_module, strides=(n, 128, 1)) for n in (1, 2, 3)]
     setattr(flashinfer, D, {keys[0]: Unexportable("a"), keys[1]: Unexportable("b"), keys[2]: Compiled("c")})
-    monkeypatch.setitem(sys.modules, flashinfer.__name__, flashinfer)
-    source = fam.Source("flashinfer_gdn", "FlashInfer GDN prefill", flashinfer.__name__, (D,), "flashinfer-python")
     monkeypatch.setattr(fam, "stack", lambda source: META)
     with caplog.at_level("WARNING", logger="kwarm"):
         labels = fam.save_source(source, str(tmp_path), {})
