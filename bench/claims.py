@@ -26,7 +26,7 @@ SERVE_092 = PUB / "vllm0.33.0-flashinfer-h100" / "serve-0.92"
 # the tiny pair again at a later commit, each kind's repeat the median of three
 SERVE_MEDIANS = PUB / "vllm0.33.0-flashinfer-h100" / "serve-medians"
 SERVE_STEADY = PUB / "vllm0.33.0-flashinfer-h100" / "serve-steady"  # tiny Qwen3-Next alone, engine step times
-SERVE_RESTART = PUB / "vllm0.33.0-flashinfer-h100" / "serve-restart"  # tiny Qwen3-Next, cold and warm, 4 kinds
+SERVE_RESTART = PUB / "vllm0.33.0-flashinfer-h100" / "serve-restart"  # the tiny pair with the cute_dsl family
 QWEN, DSV = "tiny-qwen3-next", "tiny-deepseek-v32"
 BIG, BIG_DSV = "qwen3-next-80b-a3b-4l", "deepseek-v32-2l"
 NAMES = {QWEN: "Qwen3-Next", DSV: "DeepSeek-V3.2"}
@@ -48,7 +48,7 @@ REGIONS = [
     ("BENCHMARKS.md", "**What this shows**", "## The tiny pair again"),
     ("BENCHMARKS.md", "**What this run shows**", "## Tiny Qwen3-Next alone, with engine step times"),
     ("BENCHMARKS.md", "**At steady state**", "### tiny-qwen3-next, cold start"),
-    ("BENCHMARKS.md", "**On a warm restart**", "### tiny-qwen3-next, cold start"),
+    ("BENCHMARKS.md", "**At the current code**", "### tiny-deepseek-v32, cold start"),
 ]
 
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
@@ -424,28 +424,70 @@ def first_use_claims() -> list[str]:
 
 
 def restart_claims(headline: bool = False) -> list[str]:
-    """The cold start and first warm restart of tiny Qwen3-Next at the current code (``serve-restart/``):
-    BENCHMARKS.md's section, or README's sentence (`headline`)."""
+    """The tiny pair at commit 2949244, the first runs with the ``cute_dsl`` family (``serve-restart/``):
+    tiny Qwen3-Next cold and on a warm restart, tiny DeepSeek-V3.2 cold, their engine steps
+    (``<model>.step-times.json``); BENCHMARKS.md's section, or README's sentence (`headline`)."""
     F = SERVE_RESTART
-    ready = {(ph, n): phase_server(QWEN, ph, n, F)["launch_to_ready_s"] for ph in (0, 1) for n in ("plain", "kwarm")}
-    cold = (f"ready in {share(ready[0, 'kwarm'], ready[0, 'plain'])} of vLLM alone's time cold "
-            f"({ready[0, 'kwarm']:.1f} against {ready[0, 'plain']:.1f} s)")
-    warm = f"{pct(ready[1, 'kwarm'], ready[1, 'plain'])} ({ready[1, 'kwarm']:.1f} against {ready[1, 'plain']:.1f} s)"
+    ready = {(m, ph, n): phase_server(m, ph, n, F)["launch_to_ready_s"]
+             for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0)) for n in ("plain", "kwarm")}
+
+    def cold(m):
+        return f"{share(ready[m, 0, 'kwarm'], ready[m, 0, 'plain'])} ({ready[m, 0, 'kwarm']:.1f} against {ready[m, 0, 'plain']:.1f} s"
+
+    warm = f"{pct(ready[QWEN, 1, 'kwarm'], ready[QWEN, 1, 'plain'])} ({ready[QWEN, 1, 'kwarm']:.1f} against {ready[QWEN, 1, 'plain']:.1f} s)"
     if headline:
-        return [f"The latest run (tiny Qwen3-Next, four request kinds): {cold}, and a first warm restart of {warm}"]
-    kw = phase_server(QWEN, 1, "kwarm", F)
+        return [f"The latest run (tiny Qwen3-Next, CuTe DSL kernels saved and loaded): ready in {cold(QWEN)}) of vLLM "
+                f"alone's time cold, and a first warm restart of {warm}"]
+
+    def cute(m, ph, n):
+        lazy = phase_server(m, ph, n, F)["lazy_before_ready"]
+        return lazy["counts"].get("cute_dsl", 0), (lazy.get("seconds") or {}).get("cute_dsl")
+
+    def family_s(m, ph, name):
+        fams = phase_server(m, ph, "kwarm", F)["kwarm_report_summary"]["families"]
+        return next(f["seconds"] for f in fams if f["name"] == name)
+
+    n_plain, s_plain = cute(QWEN, 1, "plain")
+    check = {r["mode"]: r for r in load(PUB / "vllm0.33.0-flashinfer-h100" / "cute_dsl_cache_check.json")["runs"]}
+    c, ld = check["compile"], check["load"]
+    steps = {m: {(r["phase"], r["kind"]): r for r in load(F / f"{m}.step-times.json")["kinds"] if r["server"] == "kwarm"}
+             for m in (QWEN, DSV)}
+    over = [(m, ph, k) for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0)) for k, _, _ in over_bar(m, ph, F)]
+    rows = [steps[m]["cold" if ph == 0 else "warm", k] for m, ph, k in over]
+    longest = max(rows, key=lambda r: r["first_longest_step_ms"])
+    outside = max(abs(r["first_outside_ms"] - r["outside_ms"]) for r in rows)
     return [
-        f"**Cold**: {cold}; compiles in requests after ready: {triton_in_requests(QWEN, 'plain', F)} for `vllm serve`, "
-        f"{triton_in_requests(QWEN, 'kwarm', F)} with kwarm",
-        f"**The first warm restart costs {warm}**",
-        f"kwarm's warmup took {s1(kw['kwarm_warmup_s'][0])} s and its server compiled {warm_compiles(QWEN, 1, F)} "
-        f"Triton kernels for real before ready",
-        f"kwarm's engine process started at {stage_s(QWEN, 'kwarm', 'engine', 1, F)} s against "
-        f"{stage_s(QWEN, 'plain', 'engine', 1, F)} s after launch, and captured its graphs at "
-        f"{stage_s(QWEN, 'kwarm', 'graphs captured', 1, F)} s against {stage_s(QWEN, 'plain', 'graphs captured', 1, F)} s",
-        f"Firsts with kwarm, warm restart: {over_text({QWEN: over_bar(QWEN, 1, F)})}",
-        f"cold: {over_text({QWEN: over_bar(QWEN, 0, F)})}",
-        f"json-schema's repeats: {against('json-schema', 0, F)} cold, {against('json-schema', 1, F)} warm",
+        f"FlashInfer's GDN prefill at Qwen3-Next's shapes compiled {c['compiled']['flashinfer_gdn']} kernels in "
+        f"{c['seconds']['short']:.1f} s and vLLM's router GEMM {c['compiled']['vllm_router_gemm']} in "
+        f"{c['seconds']['router_gemm']:.2f} s",
+        f"loaded the family's saved files first (in {ld['load']['flashinfer_gdn']['seconds']:.3f} and "
+        f"{ld['load']['vllm_router_gemm']['seconds']:.3f} s) compiled {ld['compiled_anyway']['flashinfer_gdn']} and "
+        f"{ld['compiled_anyway']['vllm_router_gemm']} of them, ran the same calls in {ld['seconds']['short']:.3f} and "
+        f"{ld['seconds']['router_gemm']:.3f} s, and returned outputs equal to the first process's (largest "
+        f"difference {max(ld['max_abs_diff'])})",
+        f"**The first warm restart of tiny Qwen3-Next: {warm}**",
+        f"plain `vllm serve` compiled its {n_plain} CuTe DSL kernels again before ready ({s_plain:.1f} s), kwarm's "
+        f"server compiled {cute(QWEN, 1, 'kwarm')[0]}: the `cute_dsl` family loaded them in "
+        f"{family_s(QWEN, 1, 'cute_dsl'):.2f} s",
+        f"kwarm's KV cache was sized {stage_s(QWEN, 'kwarm', 'kv cache sized', 1, F)} s after launch against "
+        f"{stage_s(QWEN, 'plain', 'kv cache sized', 1, F)} s",
+        f"kwarm's warmup took {s1(phase_server(QWEN, 1, 'kwarm', F)['kwarm_warmup_s'][0])} s and its server compiled "
+        f"{warm_compiles(QWEN, 1, F)} Triton kernels for real before ready",
+        f"**Cold**: ready in {cold(QWEN)}; tiny Qwen3-Next) and {cold(DSV)}; tiny DeepSeek-V3.2) of vLLM alone's time",
+        f"compiles in requests after ready: {triton_in_requests(QWEN, 'plain', F)} and "
+        f"{triton_in_requests(DSV, 'plain', F)} for `vllm serve`, {triton_in_requests(QWEN, 'kwarm', F)} and "
+        f"{triton_in_requests(DSV, 'kwarm', F)} with kwarm",
+        f"Both servers compiled the CuTe DSL kernels cold ({cute(QWEN, 0, 'kwarm')[0]} on Qwen3-Next, "
+        f"{cute(DSV, 0, 'kwarm')[0]} router-GEMM kernels on DeepSeek-V3.2); kwarm's saved them after CUDA-graph "
+        f"capture, in {family_s(QWEN, 0, 'cute_dsl (after capture)'):.2f} and "
+        f"{family_s(DSV, 0, 'cute_dsl (after capture)'):.2f} s",
+        f"cold: {over_text({m: over_bar(m, 0, F) for m in (QWEN, DSV)})}; on the warm restart, "
+        f"{over_text({QWEN: over_bar(QWEN, 1, F)})}",
+        f"kwarm's longest step in any of these firsts took {longest['first_longest_step_ms']:.1f} ms "
+        f"({longest['kind']}, whose repeats' longest took {longest['longest_step_ms']:.1f} ms)",
+        f"their time outside the steps was within {outside:.1f} ms of their repeats'",
+        "; ".join(f"{NAMES[m]}'s {k}{' (warm)' if ph else ''} {r['first_steps_ms']:.1f} against "
+                  f"{span(r['steps_ms_range'], lambda v: f'{v:.1f}')} ms" for (m, ph, k), r in zip(over, rows)),
     ]
 
 
