@@ -22,6 +22,7 @@ from vLLM's own log lines. Needs a GPU and vLLM; the request set, counting and t
 
     python3 bench/serve_bench.py bench/models/tiny-qwen3-next --out bench/results/serve
     python3 bench/serve_bench.py --table bench/results/serve/*.serve.json   # markdown tables
+    python3 bench/serve_bench.py --noise bench/results/serve/*.serve.json   # the bar against the host's noise
 """
 from __future__ import annotations
 
@@ -1070,6 +1071,52 @@ def headline_time(rec: dict | None):
     return rec.get("ttft_s") if rec.get("ttft_s") is not None else rec.get("s")
 
 
+def over_bar(t: float, ref: float) -> bool:
+    """Issue 60's bar for a first against its repeat: over 1.1x `ref` and more than 10 ms over it."""
+    return t > 1.1 * ref and t - ref > 0.010
+
+
+def noise_rows(results: list[dict]) -> list[dict]:
+    """How often the bar is crossed by chance on the host that ran `results`. Per result, phase and
+    server, over the kinds with a first and three repeats and no lazy work named in any of the four:
+    how many firsts are over the bar against their repeats' median (the tables' test), and how
+    many single repeats are over it against the mean of the kind's other two repeats: requests
+    that have nothing left to do first, so every crossing of theirs is the host's noise."""
+    rows = []
+    for result in results:
+        for phase in result.get("phases") or []:
+            for name, srv in (phase.get("servers") or {}).items():
+                kinds = firsts = repeats = 0
+                for row in pairs(srv.get("requests") or []):
+                    occ = [row.get(o) for o in ("first", *REPEATS)]
+                    times = [headline_time(r) for r in occ]
+                    if None in times or any(((r.get("lazy") or {}).get("n") or 0) for r in occ):
+                        continue
+                    first, reps = times[0], times[1:]
+                    kinds += 1
+                    firsts += over_bar(first, statistics.median(reps))
+                    repeats += sum(over_bar(t, statistics.mean(reps[:i] + reps[i + 1:])) for i, t in enumerate(reps))
+                if kinds:
+                    rows.append({"model": result.get("model"), "source": result.get("_source", ""), "phase": phase.get("phase"), "server": name,
+                                 "kinds": kinds, "firsts_over": firsts, "repeats": kinds * len(REPEATS),
+                                 "repeats_over": repeats})
+    return rows
+
+
+def noise_table(results: list[dict]) -> str:
+    """:func:`noise_rows` as markdown, with each server's totals."""
+    rows = noise_rows(results)
+    out = ["| result | model | phase | server | kinds, nothing lazy | firsts over the bar | repeats over the bar "
+           "(against the other two) |", "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['source']} | {r['model']} | {r['phase']} | {r['server']} | {r['kinds']} | {r['firsts_over']} of {r['kinds']} | "
+            f"{r['repeats_over']} of {r['repeats']} |" for r in rows]
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == name]
+        k, f, n, o = (sum(r[x] for r in mine) for x in ("kinds", "firsts_over", "repeats", "repeats_over"))
+        out.append(f"| all | | | {name} | {k} | {f} of {k} ({100 * f / k:.0f}%) | {o} of {n} ({100 * o / n:.0f}%) |")
+    return "\n".join(out)
+
+
 def ratio_text(first, repeat) -> str:
     if first is None or repeat is None or repeat <= 0:
         return "—"
@@ -1245,6 +1292,9 @@ def main(argv=None) -> int:
     ap.add_argument("model", nargs="?", help="model folder with config.json (bench/models/...)")
     ap.add_argument("--table", nargs="+", metavar="RESULT", help="print the markdown tables of result files and exit")
     ap.add_argument("--chart", nargs="+", metavar=("OUT.svg", "RESULT"), help="write an SVG chart of result files and exit")
+    ap.add_argument("--noise", nargs="+", metavar="RESULT",
+                    help="print how often firsts, and single repeats against their kind's other repeats, cross "
+                         "issue 60's bar (1.1x and 10 ms) in result files with three repeats, and exit")
     ap.add_argument("--out", default=str(HERE / "results" / "serve"), help="folder for results and server logs")
     ap.add_argument("--work", default="/tmp/kwarm-serve", help="folder for caches, model copy, events (not kept)")
     ap.add_argument("--servers", default="plain,kwarm", help="comma list of plain, kwarm (default both)")
@@ -1276,22 +1326,24 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-chart", nargs="+", metavar=("OUT.svg", "RESULT"),
                     help="write an SVG of each server's GPU memory over time (--one-at-a-time results) and exit")
     args = ap.parse_args(argv)
-    if args.table or args.chart or args.memory_chart:
+    if args.table or args.chart or args.memory_chart or args.noise:
         if (args.chart and len(args.chart) < 2) or (args.memory_chart and len(args.memory_chart) < 2):
             ap.error("--chart/--memory-chart OUT.svg RESULT...")
         results = []
-        for path in (args.table or (args.chart or args.memory_chart)[1:]):
+        for path in (args.table or args.noise or (args.chart or args.memory_chart)[1:]):
             try:
                 data = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
                 print(f"serve_bench: {path}: {exc}", file=sys.stderr)
                 return 1
             if data.get("schema") == SCHEMA:
-                results.append(data)
+                results.append(dict(data, _source=Path(path).parent.name) if args.noise else data)
         if args.chart or args.memory_chart:
             out_svg = (args.chart or args.memory_chart)[0]
             Path(out_svg).write_text(chart(results) if args.chart else memory_chart(results))
             print(f"serve_bench: wrote {out_svg} ({len(results)} results)")
+        elif args.noise:
+            print(noise_table(results))
         else:
             print(render(results))
         return 0

@@ -651,3 +651,30 @@ def test_the_memory_sampler_reads_one_nvidia_smi_loop_and_falls_back_to_one_call
     with sampler:
         time.sleep(0.3)
     assert sampler.samples and {mib for _, mib in sampler.samples} == {60000}, "one call a sample"
+
+
+def test_the_noise_floor_counts_firsts_against_their_repeats_and_each_repeat_against_the_other_two(tmp_path, capsys):
+    """Issue 60's bar (1.1x and 10 ms) against the host's noise: a kind counts when its first and
+    three repeats ran with no lazy work named; its first is over against the repeats' median, each
+    repeat against the mean of the other two."""
+    def kind(name, first, reps, lazy=0):
+        occ = dict(zip(("first", *serve_bench.REPEATS), (first, *reps)))
+        return [{"kind": name, "occurrence": o, "s": t, "lazy": {"n": lazy if o == "first" else 0}}
+                for o, t in occ.items()]
+
+    requests = (kind("a", 0.080, (0.050, 0.052, 0.051))          # first over; repeats within
+                + kind("b", 0.050, (0.050, 0.070, 0.050))        # first within; repeat2 over the other two
+                + kind("c", 0.500, (0.050, 0.050, 0.050), lazy=1)  # a compile in its first: not counted
+                + kind("d", 0.060, (0.050, 0.055, 0.045))        # 60 vs median 50: 1.2x and 10 ms, not over
+                + [{"kind": "e", "occurrence": "first", "s": 0.05}])  # no repeats: not counted
+    result = {"schema": serve_bench.SCHEMA, "model": "m", "phases": [
+        {"phase": "cold", "servers": {"kwarm": {"requests": requests}}}]}
+    [row] = serve_bench.noise_rows([result])
+    assert (row["kinds"], row["firsts_over"], row["repeats"], row["repeats_over"]) == (3, 1, 9, 1)
+    path = tmp_path / "serve-x" / "m.serve.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(result))
+    assert serve_bench.main(["--noise", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| serve-x | m | cold | kwarm | 3 | 1 of 3 | 1 of 9 |" in out
+    assert "| all | | | kwarm | 3 | 1 of 3 (33%) | 1 of 9 (11%) |" in out
