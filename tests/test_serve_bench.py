@@ -678,3 +678,29 @@ def test_the_noise_floor_counts_firsts_against_their_repeats_and_each_repeat_aga
     out = capsys.readouterr().out
     assert "| serve-x | m | cold | kwarm | 3 | 1 of 3 | 1 of 9 |" in out
     assert "| all | | | kwarm | 3 | 1 of 3 (33%) | 1 of 9 (11%) |" in out
+
+
+def test_the_detached_run_outlives_its_call_and_hands_its_results_to_the_call_that_sees_it_end(tmp_path):
+    """bench/serve_detached.sh: `start` leaves serve_run.sh running (setsid) and says so when WAIT
+    ends first; a second `start` is refused; `wait` copies the results and the log into the
+    call's $OUT and ends with serve_run's exit status (a stand-in serve_run here: no GPU)."""
+    stand_in = tmp_path / "serve_run.sh"
+    stand_in.write_text('sleep 2; echo "| table |" > "$OUT/table.md"; echo "BUDGET=$BUDGET"; exit 3\n')
+    env = dict(os.environ, RUN=str(tmp_path / "run"), SERVE_RUN=str(stand_in), BUDGET="1100")
+
+    def detached(cmd, out, wait):
+        return subprocess.run(["bash", str(BENCH / "serve_detached.sh"), cmd], capture_output=True, text=True,
+                              timeout=60, env=dict(env, OUT=str(out), WAIT=str(wait)))
+
+    first = detached("start", tmp_path / "call1", 0)
+    assert first.returncode == 0 and "still running" in first.stdout, first.stdout + first.stderr
+    assert not (tmp_path / "call1" / "table.md").exists()
+    again = detached("start", tmp_path / "call1", 0)
+    assert again.returncode == 1 and "already going" in again.stdout
+    done = detached("wait", tmp_path / "call2", 30)
+    assert done.returncode == 3 and "exit status 3" in done.stdout and "BUDGET=1100" in done.stdout, done.stdout
+    assert (tmp_path / "call2" / "table.md").read_text() == "| table |\n"
+    assert (tmp_path / "call2" / "run.log").is_file()
+    nothing = subprocess.run(["bash", str(BENCH / "serve_detached.sh"), "wait"], capture_output=True, text=True,
+                             timeout=60, env=dict(env, RUN=str(tmp_path / "none")))
+    assert nothing.returncode == 1 and "nothing started" in nothing.stdout
