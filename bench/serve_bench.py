@@ -1023,9 +1023,24 @@ def run(args) -> int:
             manifest = Path(s.env.get("KWARM_MANIFEST", s.cache / "kwarm-manifest.json"))
             if manifest.exists():  # what kwarm learned and replayed (a replay that compiled: its entries)
                 shutil.copy(manifest, out_dir / f"{name}.{s.name}.kwarm-manifest.json")
+            keep_cute_dsl_keys(manifest.with_suffix(".cute_dsl"), out_dir / f"{name}.{s.name}.cute_dsl")
         save()
     print(render([result]))
     return 0
+
+
+def keep_cute_dsl_keys(saved: Path, dest: Path) -> int:
+    """The keys (``<kernel>.json``) and ``meta.json`` of the CuTe DSL kernels kwarm's ``cute_dsl``
+    family saved beside the manifest (``<source>/<stack>/``), without their native code: which
+    kernels the engine compiled, with the arguments that made them, for predicting them at launch.
+    Returns how many files were kept."""
+    kept = 0
+    for path in sorted(saved.glob("*/*/*.json")) if saved.is_dir() else []:
+        target = dest / path.relative_to(saved)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+        kept += 1
+    return kept
 
 
 # ------------------------------------------------------------------------------------- table

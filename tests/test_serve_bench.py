@@ -704,3 +704,20 @@ def test_the_detached_run_outlives_its_call_and_hands_its_results_to_the_call_th
     nothing = subprocess.run(["bash", str(BENCH / "serve_detached.sh"), "wait"], capture_output=True, text=True,
                              timeout=60, env=dict(env, RUN=str(tmp_path / "none")))
     assert nothing.returncode == 1 and "nothing started" in nothing.stdout
+
+
+def test_the_run_keeps_the_keys_of_the_cute_dsl_kernels_kwarm_saved_but_not_their_native_code(tmp_path):
+    """Beside the manifest, ``<manifest>.cute_dsl/<source>/<stack>/`` holds each kernel's key
+    (JSON), its object file and meta.json: the results keep the JSON (which kernels the engine
+    compiled, and with what), never the object files."""
+    saved = tmp_path / "kwarm-manifest.cute_dsl" / "flashinfer_gdn" / "0123456789abcdef"
+    saved.mkdir(parents=True)
+    (saved / "kwarm_cute_a.json").write_text('{"dict": "d", "key": [1], "kernel": "K"}')
+    (saved / "kwarm_cute_a.o").write_bytes(b"\x7fELF")
+    (saved / "meta.json").write_text("{}")
+    dest = tmp_path / "out" / "m.kwarm.cute_dsl"
+    assert serve_bench.keep_cute_dsl_keys(tmp_path / "kwarm-manifest.cute_dsl", dest) == 2
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == ["flashinfer_gdn/0123456789abcdef/kwarm_cute_a.json", "flashinfer_gdn/0123456789abcdef/meta.json"]
+    assert serve_bench.keep_cute_dsl_keys(tmp_path / "none.cute_dsl", tmp_path / "out2") == 0
+    assert not (tmp_path / "out2").exists()
