@@ -1112,10 +1112,19 @@ def noise_rows(results: list[dict]) -> list[dict]:
                     firsts += over_bar(first, statistics.median(reps))
                     repeats += sum(over_bar(t, statistics.mean(reps[:i] + reps[i + 1:])) for i, t in enumerate(reps))
                 if kinds:
-                    rows.append({"model": result.get("model"), "source": result.get("_source", ""), "phase": phase.get("phase"), "server": name,
-                                 "kinds": kinds, "firsts_over": firsts, "repeats": kinds * len(REPEATS),
-                                 "repeats_over": repeats})
+                    rows.append({"model": result.get("model"), "source": result.get("_source", ""),
+                                 "phase": phase.get("phase"), "server": name, "kinds": kinds, "firsts_over": firsts,
+                                 "repeats": kinds * len(REPEATS), "repeats_over": repeats})
     return rows
+
+
+NOISE_COUNTS = ("kinds", "firsts_over", "repeats", "repeats_over")
+
+
+def noise_totals(rows: list[dict]) -> dict:
+    """:func:`noise_rows` summed per server: server -> {kinds, firsts_over, repeats, repeats_over}."""
+    return {name: {x: sum(r[x] for r in rows if r["server"] == name) for x in NOISE_COUNTS}
+            for name in dict.fromkeys(r["server"] for r in rows)}
 
 
 def noise_table(results: list[dict]) -> str:
@@ -1123,11 +1132,10 @@ def noise_table(results: list[dict]) -> str:
     rows = noise_rows(results)
     out = ["| result | model | phase | server | kinds, nothing lazy | firsts over the bar | repeats over the bar "
            "(against the other two) |", "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['source']} | {r['model']} | {r['phase']} | {r['server']} | {r['kinds']} | {r['firsts_over']} of {r['kinds']} | "
-            f"{r['repeats_over']} of {r['repeats']} |" for r in rows]
-    for name in dict.fromkeys(r["server"] for r in rows):
-        mine = [r for r in rows if r["server"] == name]
-        k, f, n, o = (sum(r[x] for r in mine) for x in ("kinds", "firsts_over", "repeats", "repeats_over"))
+    out += [f"| {r['source']} | {r['model']} | {r['phase']} | {r['server']} | {r['kinds']} | "
+            f"{r['firsts_over']} of {r['kinds']} | {r['repeats_over']} of {r['repeats']} |" for r in rows]
+    for name, t in noise_totals(rows).items():
+        k, f, n, o = (t[x] for x in NOISE_COUNTS)
         out.append(f"| all | | | {name} | {k} | {f} of {k} ({100 * f / k:.0f}%) | {o} of {n} ({100 * o / n:.0f}%) |")
     return "\n".join(out)
 

@@ -253,12 +253,18 @@ def test_the_family_loads_ahead_and_saves_after_capture(tmp_path, gdn_module, lo
     assert router.ll_bf16_gemm_kernel._compiled_cache == {(1, 512, 128, torch.float32): ("loaded", "warmup")}
 
 
-def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, load_module, monkeypatch,
-                                                       flashinfer_source):
+def save_one_gdn_kernel(tmp_path, gdn_module, monkeypatch, flashinfer_source):
+    """One GDN prefill kernel saved under `tmp_path` for the stack META; returns (module, source)."""
     flashinfer, source = flashinfer_source
-    setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("old stack")})
+    setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("saved")})
     monkeypatch.setattr(fam, "stack", lambda source: META)
     fam.save_source(source, str(tmp_path), {})
+    return flashinfer, source
+
+
+def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, load_module, monkeypatch,
+                                                       flashinfer_source):
+    flashinfer, source = save_one_gdn_kernel(tmp_path, gdn_module, monkeypatch, flashinfer_source)
     fam._on_disk.clear()
     setattr(flashinfer, D, {})
     monkeypatch.setattr(fam, "stack", lambda source: dict(META, flashinfer="0.7.3"))
@@ -268,10 +274,7 @@ def test_a_stack_that_changed_loads_nothing_and_says_so(tmp_path, gdn_module, lo
 
 def test_a_source_whose_module_is_gone_loads_nothing_in_one_label(tmp_path, gdn_module, load_module, monkeypatch,
                                                                  flashinfer_source):
-    flashinfer, source = flashinfer_source
-    setattr(flashinfer, D, {gdn_key(gdn_module): Compiled("saved")})
-    monkeypatch.setattr(fam, "stack", lambda source: META)
-    fam.save_source(source, str(tmp_path), {})
+    flashinfer, source = save_one_gdn_kernel(tmp_path, gdn_module, monkeypatch, flashinfer_source)
     monkeypatch.delitem(sys.modules, flashinfer.__name__)  # an upgrade without it
     details = {}
     assert fam.load_source(source, str(tmp_path), details) == [
