@@ -47,7 +47,7 @@ REGIONS = [
     ("README.md", "Block-FP8 checkpoints", ""),
     ("BENCHMARKS.md", "**What this shows**", "## The tiny pair again"),
     ("BENCHMARKS.md", "**What this run shows**", "## Tiny Qwen3-Next alone, with engine step times"),
-    ("BENCHMARKS.md", "**At steady state**", "### tiny-qwen3-next, cold start"),
+    ("BENCHMARKS.md", "**At steady state**", "## The tiny pair at the current code"),
     ("BENCHMARKS.md", "**At the current code**", "### tiny-deepseek-v32, cold start"),
 ]
 
@@ -496,11 +496,11 @@ def noise_phrase() -> str:
     """``serve_bench.py --noise`` over the published runs with three repeats: how often kwarm's firsts,
     plain's, and single repeats against their kind's other two cross the bar (kinds with nothing lazy named)."""
     results = [load(p) for f in (SERVE_MEDIANS, SERVE_STEADY, SERVE_RESTART) for p in sorted(f.glob("*.serve.json"))]
-    rows = _bench("serve_bench").noise_rows(results)
+    sb = _bench("serve_bench")
+    totals = sb.noise_totals(sb.noise_rows(results))
 
     def total(name):
-        mine = [r for r in rows if r["server"] == name]
-        k, f, n, o = (sum(r[x] for r in mine) for x in ("kinds", "firsts_over", "repeats", "repeats_over"))
+        k, f, n, o = (totals[name][x] for x in sb.NOISE_COUNTS)
         return f"{f} of {k} kinds ({100 * f / k:.0f}%)", f"{o} of {n} ({100 * o / n:.0f}%)"
 
     kw, pl = total("kwarm"), total("plain")
@@ -608,11 +608,10 @@ def region(doc: str, start: str, end: str) -> str:
 
 def serving_tables(doc: str) -> list[str]:
     """BENCHMARKS.md's serving tables against serve_bench.py's rendering of the published JSON (the
-    runs whose tables it shows; ``serve/``'s and ``serve-medians/``'s are their ``--table`` commands')."""
+    runs whose tables it shows; ``serve/``'s, ``serve-medians/``'s and ``serve-steady/``'s are their
+    ``--table`` commands')."""
     serve_bench = _bench("serve_bench")
-    results = [load(p) for p in sorted([*SERVE_STEADY.glob("*.serve.json"),
-                                        *SERVE_RESTART.glob("*.serve.json"),
-                                        *SERVE_092.glob("*.serve.json")])]
+    results = [load(p) for p in sorted([*SERVE_RESTART.glob("*.serve.json"), *SERVE_092.glob("*.serve.json")])]
     want = [line for line in serve_bench.render(results).splitlines() if line.startswith("|")]
     section = doc.split("## `vllm serve` with vLLM's defaults", 1)[-1].split("\n# Second table", 1)[0]
     have = [line for line in section.splitlines() if line.startswith("|")]

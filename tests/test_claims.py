@@ -56,7 +56,6 @@ def _docs_copy(tmp_path: Path) -> Path:
     ("BENCHMARKS.md", "within 2.3 ms of their repeats'", "within 1.3 ms of their repeats'", "does not say"),
     ("BENCHMARKS.md", "took 27.1 ms (burst", "took 21.7 ms (burst", "does not say"),
     ("BENCHMARKS.md", "Neither allocated per step", "Neither allocated 4321 per step", "comes from no published JSON"),
-    ("BENCHMARKS.md", "| launch to ready | 281.69 s |", "| launch to ready | 271.69 s |", "serving table row"),
     # the tiny pair with the cute_dsl family (serve-restart/, its step times and
     # cute_dsl_cache_check.json), and README's sentence on it
     ("BENCHMARKS.md", "-34.5% (76.1 against 116.2 s)", "-33.5% (76.1 against 116.2 s)", "does not say"),
