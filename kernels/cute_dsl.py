@@ -58,6 +58,7 @@ import stat
 import sys
 import time
 
+from kwarm_ext import early_gdn
 from kwarm_ext.families import Plan, Step
 
 logger = logging.getLogger("kwarm")
@@ -199,15 +200,18 @@ def symbol(raw_key, dict_path: str) -> str:
 # ---------------------------------------------------------------------------- where
 
 
-def stack(source: Source) -> dict:
-    """What a saved kernel of `source` is valid for: GPU arch, the CuTe DSL compiler stack (every
-    installed ``nvidia-cutlass-dsl*`` distribution, as FlashInfer's own disk cache fingerprints it),
-    the library's version and a digest of the sources of its dicts' package (found, not imported)."""
+def stack(source: Source, capability=None) -> dict:
+    """What a saved kernel of `source` is valid for: GPU arch (this process's GPU, or `capability`),
+    the CuTe DSL compiler stack (every installed ``nvidia-cutlass-dsl*`` distribution, as
+    FlashInfer's own disk cache fingerprints it), the library's version and a digest of the sources
+    of its dicts' package (found, not imported)."""
     import importlib.metadata as md
 
-    import torch
+    if capability is None:
+        import torch
 
-    major, minor = torch.cuda.get_device_capability()
+        capability = torch.cuda.get_device_capability()
+    major, minor = capability
     return {"arch": f"sm_{major}{minor}{'a' if major >= 9 else ''}", "cute_dsl": cute_dsl_stack(),
             source.dist: md.version(source.dist), "source_sha256": source_digest(source.module)}
 
@@ -386,6 +390,8 @@ def applies(view) -> str | None:
         if any(any(imported_caches(source).values()) for source in SOURCES):
             return None
         return "no CuTe DSL kernel was compiled into a dict kwarm saves (FlashInfer GDN prefill, vLLM router GEMM)"
+    if os.environ.get(early_gdn.EARLY_ENV):
+        return None
     try:
         base = folder_for(view)
     except Exception as exc:  # noqa: BLE001  (no Triton target, no model: no deployment folder)
@@ -398,6 +404,10 @@ def applies(view) -> str | None:
 def plan(view, forced: bool) -> Plan:
     base = folder_for(view)
     steps, details = [], {}
+    early = os.environ.get(early_gdn.EARLY_ENV)
+    if early and not getattr(view, "after_capture", False):
+        steps.append(Step("load early flashinfer_gdn", "FlashInfer GDN prefill compiled since launch", summary=True,
+                          run=lambda: load_early(json.loads(early), details)))
     for source in SOURCES:
         if getattr(view, "after_capture", False):
             if any(imported_caches(source).values()):
@@ -443,3 +453,33 @@ def load_source(source: Source, base: str, details: dict) -> list:
         logger.warning("kwarm: cute_dsl: %d saved %s kernels not loaded from %s (they compile as before); first: %s: %s",
                        len(result["refused"]), source.label, where, name, why)
     return [f"{source.label}: {result['loaded']} kernels loaded in {result['seconds']:.2f} s"]
+
+
+EARLY_WAIT_S = 120.0  # longer than the early compile of 7 kernels on a busy host
+
+
+def load_early(early: dict, details: dict) -> list:
+    """Load the GDN prefill kernels ``kwarm_ext.early_gdn`` compiled since launch, once its
+    background process is done with them (:data:`EARLY_WAIT_S` at most)."""
+    source = next(s for s in SOURCES if s.name == "flashinfer_gdn")
+    t0 = time.perf_counter()
+    summary = early_gdn.wait(early, EARLY_WAIT_S, lambda line: logger.info("kwarm: cute_dsl: %s", line))
+    waited = time.perf_counter() - t0
+    if summary is None:
+        details["early"] = {"waited_s": round(waited, 3), "loaded": 0}
+        return [f"no GDN prefill kernels compiled since launch (waited {waited:.1f} s): vLLM compiles them"]
+    if not summary.get("compiled") and summary.get("skipped") != "compiled before":
+        details["early"] = {"waited_s": round(waited, 3), "loaded": 0, **summary}
+        return [f"no GDN prefill kernels compiled since launch ({summary.get('not') or summary.get('failed') or '?'})"]
+    where = subfolder(os.path.join(early["folder"], source.name), stack(source))
+    reason = trusted(where)
+    if reason:
+        raise ValueError(f"{where}: {reason}")
+    result = load(where, source.caches(importlib.import_module(source.module)))
+    details["early"] = {"folder": where, "waited_s": round(waited, 3), **result}
+    if result["refused"]:
+        name, why = result["refused"][0]
+        logger.warning("kwarm: cute_dsl: %d GDN prefill kernels compiled since launch not loaded (they compile as "
+                       "before); first: %s: %s", len(result["refused"]), name, why)
+    return [f"{source.label} compiled since launch: {result['loaded']} kernels loaded in {result['seconds']:.2f} s "
+            f"(waited {waited:.1f} s)"]

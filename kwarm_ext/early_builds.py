@@ -63,7 +63,7 @@ logger = logging.getLogger("kwarm")
 @dataclasses.dataclass(frozen=True)
 class Build:
     name: str
-    spec: str  # "module:function" returning FlashInfer's JitSpec
+    spec: str  # "module:function" returning FlashInfer's JitSpec (a FlashInfer JIT module), or "" (GDN_PREFILL)
     why: str
 
 
@@ -72,6 +72,8 @@ SAMPLING = Build("sampling", "flashinfer.jit.sampling:gen_sampling_module",
 PREDICT_FLAG = "--predict"
 CONCAT_MLA = Build("concat_mla", "flashinfer.jit.dsv3_optimizations:gen_concat_mla_module",
                    "MLA prefill's concat_mla_k (128 heads per rank, 128/64 nope/rope)")
+GDN_PREFILL = Build("gdn_prefill", "", "FlashInfer's SM90 GDN prefill, CuTe DSL kernels compiled on the CPU "
+                    "(kwarm_ext/early_gdn.py), which vLLM's GDN layers compile in its profile run")
 
 
 def config_facts(vllm_config) -> dict:
@@ -79,9 +81,12 @@ def config_facts(vllm_config) -> dict:
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
     tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    from kwarm_ext import early_gdn
+
     return {"runner_type": getattr(model, "runner_type", "generate"), "use_mla": bool(getattr(model, "use_mla", False)),
             "heads_per_rank": (getattr(hf, "num_attention_heads", 0) or 0) // tp,
-            "nope_rope": [getattr(hf, "qk_nope_head_dim", None), getattr(hf, "qk_rope_head_dim", None)]}
+            "nope_rope": [getattr(hf, "qk_nope_head_dim", None), getattr(hf, "qk_rope_head_dim", None)],
+            "gdn": early_gdn.config_facts(vllm_config)}
 
 
 def predict(vllm_config, capabilities: list, started: tuple = ()) -> tuple[list, list]:
@@ -94,8 +99,11 @@ def predict(vllm_config, capabilities: list, started: tuple = ()) -> tuple[list,
     builds, not_predicted = [], []
     if not capabilities:
         return [], ["no NVIDIA GPU visible"]
-    for build, reason_of in ((SAMPLING, lambda: _sampler_reason(facts, capabilities)),
+    for build, reason_of in ((GDN_PREFILL, lambda: _gdn_reason(facts, capabilities)),
+                             (SAMPLING, lambda: _sampler_reason(facts, capabilities)),
                              (CONCAT_MLA, lambda: _concat_reason(facts))):
+        if build is GDN_PREFILL and facts.get("gdn") is None:
+            continue  # no GDN layers (or not known yet): not worth a word
         reason = "started at launch" if build.name in started else reason_of()
         if reason is None:
             builds.append(build)
@@ -134,6 +142,12 @@ def _sampler_reason(facts, capabilities) -> str | None:
         except Exception as exc:  # noqa: BLE001  (FlashInfer cannot target this GPU with this CUDA)
             return f"FlashInfer cannot build for {major}.{minor}: {exc}"
     return None
+
+
+def _gdn_reason(facts, capabilities) -> str | None:
+    from kwarm_ext import early_gdn
+
+    return early_gdn.reason(facts["gdn"], capabilities)
 
 
 def _concat_reason(facts) -> str | None:
@@ -260,8 +274,10 @@ def start(vllm_config) -> subprocess.Popen | None:
         return None
     if importlib.util.find_spec("flashinfer") is None:
         return None
+    from kwarm_ext import early_gdn
+
     facts = config_facts(vllm_config)
-    if started == LAUNCH and _concat_reason(facts) is not None:
+    if started == LAUNCH and _concat_reason(facts) is not None and facts["gdn"] is None:
         os.environ[STARTED_ENV] = "1"
         return None  # the sampling build is running; the config implies no other
     capabilities = visible_capabilities()
@@ -274,7 +290,11 @@ def start(vllm_config) -> subprocess.Popen | None:
     payload = {"facts": facts, "capabilities": [list(c) for c in capabilities]}
     if started == LAUNCH:
         payload["started"] = [SAMPLING.name]
+    if facts["gdn"] is not None and early_gdn.reason(facts["gdn"], capabilities, ask_vllm=False) is None:
+        payload["early"] = early_gdn.handoff()  # where the engine finds the kernels, and when they are done
     proc = _spawn(payload, env)
+    if "early" in payload:
+        os.environ[early_gdn.EARLY_ENV] = json.dumps(dict(payload["early"], pid=proc.pid))  # the engine inherits it
     logger.info("kwarm: starting the FlashInfer builds this configuration implies in the background from "
                 "launch (pid %d, archs %s)", proc.pid, env["FLASHINFER_CUDA_ARCH_LIST"])
     return proc
@@ -380,14 +400,40 @@ def main(argv=None) -> int:
         note = f" (not: {'; '.join(not_predicted)})" if not_predicted else ""
         say(f"kwarm: early FlashInfer builds: {', '.join(b.name for b in builds) or 'none'}{note}")
         items = [dataclasses.asdict(b) for b in builds]
+        if payload.get("early") and not any(b.name == GDN_PREFILL.name for b in builds):
+            from kwarm_ext import early_gdn
+
+            early_gdn.finish(payload["early"], {"compiled": 0, "not": next(
+                (w for w in not_predicted if w.startswith(GDN_PREFILL.name)), "")})  # the engine stops waiting
     else:
-        items = json.loads(argv[0])
+        payload, items = {}, json.loads(argv[0])
     failed = 0
     for item in items:  # each line as its build ends: the start's milestones read their times
-        line, ok = build_line(item)
+        line, ok = gdn_line(payload) if item["name"] == GDN_PREFILL.name else build_line(item)
         failed += not ok
         say(f"kwarm: early FlashInfer build: {line}")
     return 1 if failed else 0
+
+
+def gdn_line(payload: dict) -> tuple[str, bool]:
+    """Compile the GDN prefill kernels (``kwarm_ext.early_gdn``) where the payload says, and tell
+    the engine they are done (also when they failed); (its line, whether it compiled)."""
+    from kwarm_ext import early_gdn
+
+    summary: dict = {"compiled": 0}
+    try:
+        capability = tuple(payload["capabilities"][0])
+        summary = early_gdn.run(payload["facts"]["gdn"], capability, payload["early"]["folder"],
+                                lambda line: say(f"kwarm: early GDN prefill: {line}"))
+        if summary.get("skipped") == "compiled before":
+            return f"{GDN_PREFILL.name}: compiled at an earlier start", True
+        return f"{GDN_PREFILL.name}: {summary['saved']} CuTe DSL kernels ready in {summary['seconds']:.1f} s", True
+    except Exception as exc:  # noqa: BLE001  (vLLM compiles them in its profile run, as before)
+        summary = {"compiled": 0, "failed": f"{type(exc).__name__}: {exc}"[:300]}
+        return f"{GDN_PREFILL.name} failed, vLLM compiles its kernels in its profile run: {summary['failed']}", False
+    finally:
+        if payload.get("early"):
+            early_gdn.finish(payload["early"], summary)
 
 
 def build_line(item: dict) -> tuple[str, bool]:

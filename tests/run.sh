@@ -52,6 +52,18 @@ PY
   touch "$dest/.complete"
 done
 
+# FlashInfer 0.7.2 (what `pip install vllm` 0.33 resolves to) and the CuTe DSL it compiles with, for the
+# tests that compile its SM90 GDN prefill kernels on the CPU (tests/test_early_gdn.py), put first on
+# PYTHONPATH by those tests only.
+fi_dest=.rel/flashinfer-0.7.2
+if [ ! -f "$fi_dest/.complete" ]; then
+  echo "== fetching FlashInfer 0.7.2 and nvidia-cutlass-dsl 4.8.0 into $fi_dest"
+  rm -rf "$fi_dest"
+  pip_ install -q --no-deps --target "$fi_dest" flashinfer-python==0.7.2.post1 nvidia-cutlass-dsl==4.8.0 \
+    nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0 nvidia-cutlass-dsl-libs-cu13==4.8.0
+  touch "$fi_dest/.complete"
+fi
+
 echo "== pytest"
 export CUDA_VISIBLE_DEVICES=""
 # everything above is installed: a missing vLLM, Triton, FlashInfer or Ray (or release) fails, not skips

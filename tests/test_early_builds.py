@@ -125,7 +125,7 @@ def test_start_runs_one_background_process_without_a_cuda_device_once_per_proces
     (argv, env, kwargs), = started
     assert argv[1:4] == ["-m", "kwarm_ext.early_builds", "--predict"]
     assert json.loads(argv[4]) == {"facts": {"runner_type": "generate", "use_mla": True, "heads_per_rank": 64,
-                                             "nope_rope": [128, 64]}, "capabilities": [[9, 0]]}
+                                             "nope_rope": [128, 64], "gdn": None}, "capabilities": [[9, 0]]}
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["FLASHINFER_CUDA_ARCH_LIST"] == "9.0"
     assert env["KWARM_ENABLE"] == "0", "the background process must not activate kwarm (deep_gemm's processes)"
     assert kwargs["start_new_session"] is True

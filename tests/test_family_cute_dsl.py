@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import types
 
 import pytest
 import torch
 
+from kwarm_ext import early_gdn
 from kwarm_ext.engine import EngineView
 from kwarm_ext.kernels import cute_dsl as fam
 
@@ -328,3 +330,38 @@ def test_save_never_writes_through_a_link_planted_where_a_kernel_goes(tmp_path, 
     result = fam.save(str(where), {D: {key: Compiled("k")}}, META)
     assert result["saved"] == 0 and "a symbolic link" in result["skipped"][0][1]
     assert target.read_text() == "kept"
+
+
+def test_the_family_loads_the_kernels_compiled_since_launch_once_the_background_process_is_done(
+        tmp_path, gdn_module, load_module, monkeypatch, flashinfer_source):
+    """kwarm_ext/early_gdn.py compiles FlashInfer's GDN prefill kernels from launch into a folder of
+    the same format; the family waits for its summary, then loads them before the profile run."""
+    flashinfer, source = flashinfer_source
+    monkeypatch.setattr(fam, "SOURCES", (source,))
+    monkeypatch.setattr(fam, "stack", lambda source, capability=None: META)
+    monkeypatch.setattr(fam, "folder_for", lambda view: str(tmp_path / "m.cute_dsl"))
+    key = gdn_key(gdn_module)
+    folder = tmp_path / "cute_dsl_early"
+    assert fam.save(fam.subfolder(str(folder / "flashinfer_gdn"), META), {D: {key: Compiled("early")}}, META)["saved"] == 1
+    fam._on_disk.clear()  # the engine's process
+    early = {"folder": str(folder), "done": str(folder / ".done-9.json"), "pid": os.getpid()}
+    monkeypatch.setenv(early_gdn.EARLY_ENV, json.dumps(early))
+    view = EngineView(worker=object(), device="cpu")
+    assert fam.applies(view) is None, "nothing saved for the deployment yet, but compiled since launch"
+    plan = fam.plan(view, forced=False)
+    assert [s.name for s in plan.steps] == ["load early flashinfer_gdn"]
+    threading.Timer(0.3, lambda: early_gdn.finish(early, {"compiled": 1, "saved": 1})).start()
+    label, = plan.steps[0].run()
+    assert label.startswith("FlashInfer GDN prefill compiled since launch: 1 kernels loaded in ") and "(waited " in label
+    assert float(label.split("(waited ")[1].split(" s")[0]) >= 0.2, "it waited for the summary"
+    assert getattr(flashinfer, D) == {key: ("loaded", "early")}
+    assert plan.details()["early"]["loaded"] == 1
+
+    # a start where the background process compiled nothing: one label, nothing loaded
+    fam._on_disk.clear()
+    setattr(flashinfer, D, {})
+    early_gdn.finish(early, {"compiled": 0, "not": "gdn_prefill: vLLM picks the triton GDN prefill backend"})
+    plan = fam.plan(view, forced=False)
+    assert plan.steps[0].run() == [
+        "no GDN prefill kernels compiled since launch (gdn_prefill: vLLM picks the triton GDN prefill backend)"]
+    assert getattr(flashinfer, D) == {}
