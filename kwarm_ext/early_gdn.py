@@ -316,7 +316,7 @@ def run(facts: dict, capability, folder: str, say) -> dict:
 
     t0 = time.perf_counter()
     marker = os.path.join(folder, f"compiled-{fingerprint(facts, capability)}.json")
-    if os.path.exists(marker):
+    if compiled_before(marker):
         return {"compiled": 0, "saved": 0, "seconds": round(time.perf_counter() - t0, 3), "skipped": "compiled before"}
     compiled = compile_kernels(facts, capability, say)
     source = next(s for s in cute_dsl.SOURCES if s.name == "flashinfer_gdn")
@@ -324,9 +324,21 @@ def run(facts: dict, capability, folder: str, say) -> dict:
     where = cute_dsl.subfolder(os.path.join(folder, source.name), meta)
     result = cute_dsl.save(where, {source.dicts[0]: compiled}, meta)
     if result["saved"] and not result["skipped"]:
-        manifest_files.write_atomic(marker, json.dumps({"facts": facts, "kernels": result["saved"]}) + "\n")
-    return {"compiled": len(compiled), "saved": result["saved"], "skipped": [s for s in result["skipped"]][:3],
+        keys = sorted(cute_dsl.symbol(cute_dsl.encode(key), source.dicts[0]) + ".json" for key in compiled)
+        manifest_files.write_atomic(marker, json.dumps({"facts": facts, "folder": where, "keys": keys}) + "\n")
+    return {"compiled": len(compiled), "saved": result["saved"], "skipped": result["skipped"][:3],
             "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def compiled_before(marker: str) -> bool:
+    """Whether a start before compiled this set and its files are still there (another stack's
+    save replaces them)."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            saved = json.load(f)
+        return all(os.path.exists(os.path.join(saved["folder"], key)) for key in saved["keys"]) and bool(saved["keys"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 # ---------------------------------------------------------------------------- handing over

@@ -99,8 +99,15 @@ lines = []
 first = early_gdn.run(facts, (9, 0), folder, lines.append)
 del sys.modules["flashinfer.gdn_prefill"]
 second = early_gdn.run(facts, (9, 0), folder, lines.append)
-print(json.dumps({"first": first, "second": second, "lines": lines,
-                  "flashinfer_gdn_imported_again": "flashinfer.gdn_prefill" in sys.modules}))
+again = "flashinfer.gdn_prefill" in sys.modules
+marker = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("compiled-")][0]
+keys = json.load(open(marker))["keys"]
+one = os.path.join(json.load(open(marker))["folder"], keys[0])
+os.rename(one, one + ".away")  # as if another stack's save removed them
+after_removal = early_gdn.compiled_before(marker)
+os.rename(one + ".away", one)
+print(json.dumps({"first": first, "second": second, "lines": lines, "flashinfer_gdn_imported_again": again,
+                  "after_removal": after_removal, "keys": len(keys)}))
 """
 
 
@@ -129,6 +136,7 @@ def test_the_kernels_vllms_warmup_compiles_are_compiled_on_the_cpu_once(compiled
     for key in keys:  # FlashInfer's own options: TVM FFI, sm_90a
         assert ["sm_90a"] == [opt[1] for opt in key["key"][1] if opt[0] == {"class": "cutlass.base_dsl.compiler:GPUArch"}]
     assert got["second"]["skipped"] == "compiled before" and not got["flashinfer_gdn_imported_again"]
+    assert got["keys"] == 7 and got["after_removal"] is False, "files gone: compiled again"
 
 
 def test_the_kernels_take_cuda_tensors_as_the_engines_own_compile_makes_them(compiled):
