@@ -49,6 +49,7 @@ REGIONS = [
     ("BENCHMARKS.md", "**What this run shows**", "## Tiny Qwen3-Next alone, with engine step times"),
     ("BENCHMARKS.md", "**At steady state**", "## The tiny pair at the current code"),
     ("BENCHMARKS.md", "**At the current code**", "### tiny-deepseek-v32, cold start"),
+    ("BENCHMARKS.md", "**On the H100**", ""),
 ]
 
 NUMBER = re.compile(r"(?<![\w.])(?<![A-Za-z]-)\d+(?:\.\d+)?(?![\w.]*\d)(?![A-WYZa-wyz_])")
@@ -424,17 +425,20 @@ def first_use_claims() -> list[str]:
 
 
 def restart_claims(headline: bool = False) -> list[str]:
-    """The tiny pair at commit 2949244, the first runs with the ``cute_dsl`` family (``serve-restart/``):
-    tiny Qwen3-Next cold and on a warm restart, tiny DeepSeek-V3.2 cold, their engine steps
+    """The tiny pair with the ``cute_dsl`` family (``serve-restart/``): tiny Qwen3-Next cold and on a
+    warm restart (commit 2949244), tiny DeepSeek-V3.2 likewise (commit e1b8dd2), their engine steps
     (``<model>.step-times.json``); BENCHMARKS.md's section, or README's sentence (`headline`)."""
     F = SERVE_RESTART
     ready = {(m, ph, n): phase_server(m, ph, n, F)["launch_to_ready_s"]
-             for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0)) for n in ("plain", "kwarm")}
+             for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0), (DSV, 1)) for n in ("plain", "kwarm")}
 
     def cold(m):
         return f"{share(ready[m, 0, 'kwarm'], ready[m, 0, 'plain'])} ({ready[m, 0, 'kwarm']:.1f} against {ready[m, 0, 'plain']:.1f} s"
 
-    warm = f"{pct(ready[QWEN, 1, 'kwarm'], ready[QWEN, 1, 'plain'])} ({ready[QWEN, 1, 'kwarm']:.1f} against {ready[QWEN, 1, 'plain']:.1f} s)"
+    def warm_of(m):
+        return f"{pct(ready[m, 1, 'kwarm'], ready[m, 1, 'plain'])} ({ready[m, 1, 'kwarm']:.1f} against {ready[m, 1, 'plain']:.1f} s)"
+
+    warm = warm_of(QWEN)
     if headline:
         return [f"The latest run (tiny Qwen3-Next, CuTe DSL kernels saved and loaded): ready in {cold(QWEN)}) of vLLM "
                 f"alone's time cold, and a first warm restart of {warm}"]
@@ -452,7 +456,7 @@ def restart_claims(headline: bool = False) -> list[str]:
     c, ld = check["compile"], check["load"]
     steps = {m: {(r["phase"], r["kind"]): r for r in load(F / f"{m}.step-times.json")["kinds"] if r["server"] == "kwarm"}
              for m in (QWEN, DSV)}
-    over = [(m, ph, k) for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0)) for k, _, _ in over_bar(m, ph, F)]
+    over = [(m, ph, k) for m, ph in ((QWEN, 0), (QWEN, 1), (DSV, 0), (DSV, 1)) for k, _, _ in over_bar(m, ph, F)]
     rows = [steps[m]["cold" if ph == 0 else "warm", k] for m, ph, k in over]
     longest = max(rows, key=lambda r: r["first_longest_step_ms"])
     outside = max(abs(r["first_outside_ms"] - r["outside_ms"]) for r in rows)
@@ -473,6 +477,10 @@ def restart_claims(headline: bool = False) -> list[str]:
         f"{stage_s(QWEN, 'plain', 'kv cache sized', 1, F)} s",
         f"kwarm's warmup took {s1(phase_server(QWEN, 1, 'kwarm', F)['kwarm_warmup_s'][0])} s and its server compiled "
         f"{warm_compiles(QWEN, 1, F)} Triton kernels for real before ready",
+        f"**The first warm restart of tiny DeepSeek-V3.2: {warm_of(DSV)}**",
+        f"plain `vllm serve` compiled its {cute(DSV, 1, 'plain')[0]} router-GEMM CuTe DSL kernels again "
+        f"({cute(DSV, 1, 'plain')[1]:.1f} s), kwarm's server {cute(DSV, 1, 'kwarm')[0]}: the family loaded them in "
+        f"{family_s(DSV, 1, 'cute_dsl'):.2f} s",
         f"**Cold**: ready in {cold(QWEN)}; tiny Qwen3-Next) and {cold(DSV)}; tiny DeepSeek-V3.2) of vLLM alone's time",
         f"compiles in requests after ready: {triton_in_requests(QWEN, 'plain', F)} and "
         f"{triton_in_requests(DSV, 'plain', F)} for `vllm serve`, {triton_in_requests(QWEN, 'kwarm', F)} and "
@@ -482,13 +490,41 @@ def restart_claims(headline: bool = False) -> list[str]:
         f"capture, in {family_s(QWEN, 0, 'cute_dsl (after capture)'):.2f} and "
         f"{family_s(DSV, 0, 'cute_dsl (after capture)'):.2f} s",
         f"cold: {over_text({m: over_bar(m, 0, F) for m in (QWEN, DSV)})}; on the warm restart, "
-        f"{over_text({QWEN: over_bar(QWEN, 1, F)})}",
+        f"{over_text({m: over_bar(m, 1, F) for m in (QWEN, DSV)})}",
         f"kwarm's longest step in any of these firsts took {longest['first_longest_step_ms']:.1f} ms "
         f"({longest['kind']}, whose repeats' longest took {longest['longest_step_ms']:.1f} ms)",
         f"their time outside the steps was within {outside:.1f} ms of their repeats'",
+        "; ".join(f"{NAMES[m]}'s {k}{' (warm)' if ph else ''} held one step of {r['first_longest_step_ms']:.1f} ms "
+                  f"against its repeats' longest {r['longest_step_ms']:.1f} ms" for (m, ph, k), r in zip(over, rows)
+                  if r["first_longest_step_ms"] > 2 * r["longest_step_ms"]),
         "; ".join(f"{NAMES[m]}'s {k}{' (warm)' if ph else ''} {r['first_steps_ms']:.1f} against "
                   f"{span(r['steps_ms_range'], lambda v: f'{v:.1f}')} ms" for (m, ph, k), r in zip(over, rows)),
         noise_phrase(),
+    ]
+
+
+def gdn_early_claims() -> list[str]:
+    """``gdn_early_check.json`` (commit e1b8dd2, H100): FlashInfer's SM90 GDN prefill compiled on the CPU
+    by kwarm_ext/early_gdn.py, against the GPU's own compile; BENCHMARKS.md's section."""
+    runs = {(r["mode"], r["model"]): r for r in load(PUB / "vllm0.33.0-flashinfer-h100" / "gdn_early_check.json")["runs"]}
+    models = ("tiny", "80b")
+
+    def both(fmt, value):
+        return " and ".join(fmt.format(value(runs_of)) for runs_of in models)
+
+    def warmup_s(model):
+        return sum(v for k, v in runs["gpu compile", model]["seconds"].items() if k.startswith("warmup"))
+
+    return [
+        f"{both('{}', lambda m: runs['cpu', m]['summary']['saved'])} kernels in "
+        f"{both('{:.1f}', lambda m: runs['cpu', m]['wall_s'])} s",
+        f"the GPU's own compile of the same calls: {both('{}', lambda m: runs['gpu compile', m]['compiled'])} kernels "
+        f"in {both('{:.1f}', warmup_s)} s",
+        f"loaded the CPU-compiled files first (in {both('{:.3f}', lambda m: runs['gpu load', m]['load']['seconds'])} s) "
+        f"compiled {both('{}', lambda m: runs['gpu load', m]['compiled'])} kernels",
+        f"returned outputs equal to the GPU-compiled ones (largest difference "
+        f"{max(runs['gpu load', m]['max_abs_diff'] for m in models)} over "
+        f"{both('{}', lambda m: runs['gpu load', m]['outputs'])} tensors)",
     ]
 
 
@@ -582,7 +618,7 @@ def readme_claims() -> list[str]:
 def all_claims() -> dict[str, list[str]]:
     return {"README.md": readme_claims(),
             "BENCHMARKS.md": benchmarks_claims() + medians_claims() + steady_claims() + first_use_claims()
-                      + restart_claims() + fp8_claims()[7:]
+                      + restart_claims() + gdn_early_claims() + fp8_claims()[7:]
             + capture_threads_claims()}
 
 
