@@ -21,7 +21,10 @@ What (:func:`predict`), from vLLM's own selection logic, per release:
   parts of 0.33's ``flashinfer_sampler_supported`` that need no CUDA context (its >16-SM check
   does: every data-centre GPU passes it);
 - ``concat_mla``: MLA layers with 128 heads per rank and 128/64 nope/rope dimensions (the
-  condition of vLLM's ``_use_flashinfer_concat_mla_k``, 0.33: DeepSeek-V3/V3.2, GLM-5).
+  condition of vLLM's ``_use_flashinfer_concat_mla_k``, 0.33: DeepSeek-V3/V3.2, GLM-5);
+- ``gdn_prefill``: not an nvcc build but CuTe DSL kernels compiled on the CPU, FlashInfer's SM90 GDN
+  prefill where vLLM's GDN layers pick FlashInfer (``kwarm_ext/early_gdn.py``); the engine's
+  ``cute_dsl`` family waits for them and loads them before its profile run.
 
 A wrong guess costs only background CPU.
 
@@ -274,7 +277,7 @@ def start(vllm_config) -> subprocess.Popen | None:
         return None
     if importlib.util.find_spec("flashinfer") is None:
         return None
-    from kwarm_ext import early_gdn
+    from kwarm_ext import config as kwarm_config, early_gdn
 
     facts = config_facts(vllm_config)
     if started == LAUNCH and _concat_reason(facts) is not None and facts["gdn"] is None:
@@ -290,7 +293,8 @@ def start(vllm_config) -> subprocess.Popen | None:
     payload = {"facts": facts, "capabilities": [list(c) for c in capabilities]}
     if started == LAUNCH:
         payload["started"] = [SAMPLING.name]
-    if facts["gdn"] is not None and early_gdn.reason(facts["gdn"], capabilities, ask_vllm=False) is None:
+    if (facts["gdn"] is not None and early_gdn.reason(facts["gdn"], capabilities, ask_vllm=False) is None
+            and kwarm_config.get().warmups.wants("cute_dsl")):  # the family that loads them
         payload["early"] = early_gdn.handoff()  # where the engine finds the kernels, and when they are done
     proc = _spawn(payload, env)
     if "early" in payload:

@@ -12,7 +12,7 @@ config is known (``kwarm_ext/early_builds.py`` starts it), beside the engine's i
 and torch.compile, and written in the ``cute_dsl`` family's format; the family loads them into
 FlashInfer's in-memory cache before the profile run, where FlashInfer looks before it compiles.
 
-What (:func:`predict`): vLLM's own backend choice (``_resolve_gdn_prefill_backend``, asked for
+What (:func:`reason`, :func:`variants`): vLLM's own backend choice (``_resolve_gdn_prefill_backend``, asked for
 the capability of the GPUs NVML reports, :func:`planned_platform`), and the argument sets of vLLM's
 warmup: ``use_cp`` in {CP, not CP} (vLLM passes ``"auto"``, whose choice depends on the device's SM
 count: forcing CP compiles the superset), each with and without state checkpoints where prefix
@@ -45,7 +45,6 @@ import sys
 import time
 import types
 
-NAME = "gdn_prefill"
 FLASHINFER_SM90 = "flashinfer.gdn_kernels.delta_rule_dsl.delta_rule_sm90"
 FLASHINFER_CP_SM90 = "flashinfer.gdn_kernels.delta_rule_dsl.delta_rule_cp_sm90"
 FLASHINFER_CACHE = "flashinfer.gdn_kernels.delta_rule_dsl.custom_compile_cache"

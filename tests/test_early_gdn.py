@@ -175,6 +175,15 @@ def test_start_hands_the_engine_the_folder_and_the_summary_to_wait_for(monkeypat
     assert early == dict(payload["early"], pid=4244)
     assert early["folder"] == str(tmp_path / "cute_dsl_early") and early["done"].startswith(early["folder"] + "/.done-")
 
+    # without the family that would load them, nothing is compiled for it
+    monkeypatch.delenv(early_builds.STARTED_ENV)
+    monkeypatch.delenv(early_gdn.EARLY_ENV)
+    monkeypatch.setenv("KWARM_WARMUPS", "-cute_dsl")
+    config.reset()
+    assert early_builds.start(_qwen3_next()).pid == 4244
+    assert "early" not in started[-1] and early_gdn.EARLY_ENV not in os.environ
+    config.reset()
+
 
 def test_the_background_process_always_tells_the_engine_it_is_done(monkeypatch, tmp_path, capsys):
     """Predicted or not, compiled or failed: the summary file is written, so the engine stops waiting."""
