@@ -635,13 +635,31 @@ class Server:
         return data.decode("utf-8", "replace").splitlines(), start + len(data)
 
 
+CACHES = ("home", "xdg", "triton", "vllm", "inductor", "flashinfer", "cutedsl", "tilelang")
+
+
+def make_caches(root: Path, empty: bool = False) -> Path:
+    """A server's cache folders under `root` (HOME and every compile cache; kwarm's manifest and its
+    CuTe DSL files are there too); `empty`: removed first, for another cold start (``--colds``)."""
+    cache = root / "cache"
+    if empty:
+        shutil.rmtree(cache, ignore_errors=True)
+    for sub in CACHES:
+        (cache / sub).mkdir(parents=True, exist_ok=True)
+    return cache
+
+
+def phase_labels(colds: int, restarts: int) -> list[str]:
+    """cold, cold2, ... (each on empty caches), then warm, warm2, ... (on the caches the starts left)."""
+    return ([f"cold{i + 1}" if i else "cold" for i in range(colds)]
+            + [f"warm{i + 1}" if i else "warm" for i in range(restarts)])
+
+
 def server_env(base: dict, root: Path, name: str, kwarm_env: dict | None = None) -> dict:
     """`base` without backend-forcing variables, with caches, HOME and the probe of its own; kwarm's
     server also gets `kwarm_env` (``--kwarm-env``: a variant of kwarm, e.g. a family left out)."""
-    cache = root / "cache"
+    cache = make_caches(root)
     env = {k: v for k, v in base.items() if k not in FORCING_ENV and not k.startswith("KWARM_")}
-    for sub in ("home", "xdg", "triton", "vllm", "inductor", "flashinfer", "cutedsl", "tilelang"):
-        (cache / sub).mkdir(parents=True, exist_ok=True)
     env.update({
         "HOME": str(cache / "home"), "XDG_CACHE_HOME": str(cache / "xdg"),
         "TRITON_CACHE_DIR": str(cache / "triton"), "VLLM_CACHE_ROOT": str(cache / "vllm"),
@@ -957,21 +975,23 @@ def run(args) -> int:
         result["wall_s"] = round(time.time() - started, 1)
         result_path.write_text(json.dumps(result, separators=(",", ":"), default=str))  # published as is: compact
 
-    phases = ["cold"] + ["warm"] * args.restarts
     try:
-        for i, phase in enumerate(phases):
-            label = phase if i < 2 else f"warm{i}"
+        for i, label in enumerate(phase_labels(args.colds, args.restarts)):
             if i > 0:
                 left = deadline - time.time()
                 last = result["phases"][-1]
                 # a restart on warm caches took 0.32-0.48 of the cold start (phase start_s, lock waits
                 # included, tiny pair, bench/published/vllm0.33.0-flashinfer-h100/serve*/, H100); 0.6
                 # skipped a restart that would have fitted (212 s left, one model, 0.34 expected)
-                need = 0.5 * last.get("start_s", 0) + last.get("requests_s", 0) + 30
+                cold = label.startswith("cold")
+                need = (1.0 if cold else 0.5) * result["phases"][0].get("start_s", 0) + last.get("requests_s", 0) + 30
                 if left < need:
                     log(f"no {label} restart: {left:.0f} s left, about {need:.0f} s needed")
                     result["skipped"] = f"{label}: {left:.0f} s left of the budget, about {need:.0f} s needed"
                     break
+                if cold:  # another cold start: every compile cache emptied (kwarm's manifest too)
+                    for srv in servers:
+                        make_caches(srv.root, empty=True)
             phase_rec = {"phase": label, "servers": {}, "lock_wait_s": {}, "start_s": 0.0, "requests_s": 0.0}
             result["phases"].append(phase_rec)
             # side by side: every server at once; --one-at-a-time: each alone on the GPU, in turn
@@ -1137,6 +1157,51 @@ def noise_table(results: list[dict]) -> str:
     for name, t in noise_totals(rows).items():
         k, f, n, o = (t[x] for x in NOISE_COUNTS)
         out.append(f"| all | | | {name} | {k} | {f} of {k} ({100 * f / k:.0f}%) | {o} of {n} ({100 * o / n:.0f}%) |")
+    return "\n".join(out)
+
+
+def firsts_rows(results: list[dict]) -> list[dict]:
+    """Per result, server and kind: its first in every cold start (``cold``, ``cold2``, ...) and its
+    repeats there; the median first against the median repeat, against the bar (:func:`over_bar`).
+    With one first per cold start the host's noise (:func:`noise_rows`) crosses the bar about one time
+    in eight; the median of several firsts crosses it far less often, where a first-use cost that
+    every cold start pays still does."""
+    rows = []
+    for result in results:
+        colds = [p for p in result.get("phases") or [] if str(p.get("phase", "")).startswith("cold")]
+        names = list(dict.fromkeys(n for p in colds for n in (p.get("servers") or {})))
+        for name in names:
+            per_kind: dict = {}
+            for phase in colds:
+                for row in pairs(((phase.get("servers") or {}).get(name) or {}).get("requests") or []):
+                    rec = per_kind.setdefault(row["kind"], {"firsts": [], "repeats": [], "lazy": 0})
+                    first = headline_time(row.get("first"))
+                    if first is not None:
+                        rec["firsts"].append(first)
+                        rec["lazy"] += bool(((row.get("first") or {}).get("lazy") or {}).get("n"))
+                    rec["repeats"] += [t for t in (headline_time(row.get(o)) for o in REPEATS) if t is not None]
+            for kind, rec in per_kind.items():
+                if not rec["firsts"] or not rec["repeats"]:
+                    continue
+                first, repeat = statistics.median(rec["firsts"]), statistics.median(rec["repeats"])
+                rows.append({"model": result.get("model"), "server": name, "kind": kind, "colds": len(rec["firsts"]),
+                             "firsts_s": rec["firsts"], "first_s": first, "repeat_s": repeat,
+                             "firsts_with_lazy": rec["lazy"], "over": over_bar(first, repeat)})
+    return rows
+
+
+def firsts_table(results: list[dict]) -> str:
+    """:func:`firsts_rows` as markdown, with each server's count of kinds over the bar."""
+    rows = firsts_rows(results)
+    out = ["| model | server | kind | cold starts | firsts ms | median first ms | median repeat ms | first/repeat | "
+           "firsts naming lazy work | over the bar |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out += [f"| {r['model']} | {r['server']} | {r['kind']} | {r['colds']} | "
+            f"{', '.join(f'{1000 * t:.1f}' for t in r['firsts_s'])} | {1000 * r['first_s']:.1f} | "
+            f"{1000 * r['repeat_s']:.1f} | {ratio_text(r['first_s'], r['repeat_s'])} | {r['firsts_with_lazy']} | "
+            f"{'over' if r['over'] else ''} |" for r in rows]
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = [r for r in rows if r["server"] == name]
+        out.append(f"| all | {name} | | | | | | | | {sum(r['over'] for r in mine)} of {len(mine)} kinds |")
     return "\n".join(out)
 
 
@@ -1327,6 +1392,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bytes", default="4G", help="--kv-cache-memory-bytes of each server ('' for vLLM's sizing)")
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` argument (repeatable)")
     ap.add_argument("--restarts", type=int, default=1, help="warm restarts on the same caches after the cold start")
+    ap.add_argument("--colds", type=int, default=1,
+                    help="cold starts, each on emptied caches, before the warm restarts: several firsts of each "
+                         "kind, for --firsts (not with --share-flashinfer-cache)")
+    ap.add_argument("--firsts", nargs="+", metavar="RESULT",
+                    help="per kind and server, the median of its firsts over every cold start against the median "
+                         "of their repeats, against issue 60's bar (runs with --colds 2 or more), and exit")
     ap.add_argument("--no-learn", dest="learn", action="store_false", help="kwarm run without --learn")
     ap.add_argument("--kwarm-env", action="append", default=[], metavar="KWARM_NAME=VALUE",
                     help="one more variable of kwarm's server (repeatable; e.g. KWARM_WARMUPS=-eager_gemm)")
@@ -1349,11 +1420,11 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-chart", nargs="+", metavar=("OUT.svg", "RESULT"),
                     help="write an SVG of each server's GPU memory over time (--one-at-a-time results) and exit")
     args = ap.parse_args(argv)
-    if args.table or args.chart or args.memory_chart or args.noise:
+    if args.table or args.chart or args.memory_chart or args.noise or args.firsts:
         if (args.chart and len(args.chart) < 2) or (args.memory_chart and len(args.memory_chart) < 2):
             ap.error("--chart/--memory-chart OUT.svg RESULT...")
         results = []
-        for path in (args.table or args.noise or (args.chart or args.memory_chart)[1:]):
+        for path in (args.table or args.noise or args.firsts or (args.chart or args.memory_chart)[1:]):
             try:
                 data = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
@@ -1367,6 +1438,8 @@ def main(argv=None) -> int:
             print(f"serve_bench: wrote {out_svg} ({len(results)} results)")
         elif args.noise:
             print(noise_table(results))
+        elif args.firsts:
+            print(firsts_table(results))
         else:
             print(render(results))
         return 0
@@ -1383,6 +1456,8 @@ def main(argv=None) -> int:
         unknown = [k for k in names if k not in KIND_BY_NAME]
         if unknown or not names:
             ap.error(f"--kinds: expected some of {', '.join(KIND_BY_NAME)}, got {args.kinds!r}")
+    if args.colds < 1 or (args.colds > 1 and args.share_flashinfer_cache):
+        ap.error("--colds: 1 or more, and a shared FlashInfer cache is not emptied (not with --share-flashinfer-cache)")
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown or not args.servers:
