@@ -440,8 +440,9 @@ def restart_claims(headline: bool = False) -> list[str]:
 
     warm = warm_of(QWEN)
     if headline:
-        return [f"The latest run (tiny Qwen3-Next, CuTe DSL kernels saved and loaded): ready in {cold(QWEN)}) of vLLM "
-                f"alone's time cold, and a first warm restart of {warm}"]
+        return [f"The latest runs (tiny Qwen3-Next and tiny DeepSeek-V3.2, CuTe DSL kernels saved and loaded): ready "
+                f"in {cold(QWEN)}) and {cold(DSV)}) of vLLM alone's time cold, and a first warm restart of {warm} "
+                f"and {warm_of(DSV)}"]
 
     def cute(m, ph, n):
         lazy = phase_server(m, ph, n, F)["lazy_before_ready"]
