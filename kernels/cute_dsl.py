@@ -58,7 +58,7 @@ import stat
 import sys
 import time
 
-from kwarm_ext import early_gdn
+from kwarm_ext.config import EARLY_CUTE_DSL_ENV
 from kwarm_ext.families import Plan, Step
 
 logger = logging.getLogger("kwarm")
@@ -390,7 +390,7 @@ def applies(view) -> str | None:
         if any(any(imported_caches(source).values()) for source in SOURCES):
             return None
         return "no CuTe DSL kernel was compiled into a dict kwarm saves (FlashInfer GDN prefill, vLLM router GEMM)"
-    if os.environ.get(early_gdn.EARLY_ENV):
+    if os.environ.get(EARLY_CUTE_DSL_ENV):
         return None
     try:
         base = folder_for(view)
@@ -404,7 +404,7 @@ def applies(view) -> str | None:
 def plan(view, forced: bool) -> Plan:
     base = folder_for(view)
     steps, details = [], {}
-    early = os.environ.get(early_gdn.EARLY_ENV)
+    early = os.environ.get(EARLY_CUTE_DSL_ENV)
     if early and not getattr(view, "after_capture", False):
         steps.append(Step("load early flashinfer_gdn", "FlashInfer GDN prefill compiled since launch", summary=True,
                           run=lambda: load_early(json.loads(early), details)))
@@ -463,7 +463,7 @@ def load_early(early: dict, details: dict) -> list:
     background process is done with them (:data:`EARLY_WAIT_S` at most)."""
     source = next(s for s in SOURCES if s.name == "flashinfer_gdn")
     t0 = time.perf_counter()
-    summary = early_gdn.wait(early, EARLY_WAIT_S, lambda line: logger.info("kwarm: cute_dsl: %s", line))
+    summary = wait_early(early, EARLY_WAIT_S, lambda line: logger.info("kwarm: cute_dsl: %s", line))
     waited = time.perf_counter() - t0
     if summary is None:
         details["early"] = {"waited_s": round(waited, 3), "loaded": 0}
@@ -483,3 +483,32 @@ def load_early(early: dict, details: dict) -> list:
                        "before); first: %s: %s", len(result["refused"]), name, why)
     return [f"{source.label} compiled since launch: {result['loaded']} kernels loaded in {result['seconds']:.2f} s "
             f"(waited {waited:.1f} s)"]
+
+
+def ended(pid) -> bool:
+    """Whether the background process `pid` ended (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def wait_early(early: dict, limit: float, say=lambda line: None) -> dict | None:
+    """The summary ``kwarm_ext.early_gdn``'s background process writes once it is done with the
+    kernels, waiting for it up to `limit` seconds (None: it ended without one, or is still running).
+    Waiting costs nothing vLLM would not spend: its profile run compiles the same kernels, and began
+    later."""
+    t0, said = time.monotonic(), False
+    while True:
+        over = ended(early.get("pid", 0)) or time.monotonic() - t0 >= limit  # before the read: its last write counts
+        try:
+            with open(early["done"], encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            if over:
+                return None
+        if not said:
+            say(f"waiting for the GDN prefill kernels compiled since launch (pid {early.get('pid')}, at most {limit:.0f} s)")
+            said = True
+        time.sleep(0.2)

@@ -58,6 +58,9 @@ DEEP_GEMM_EARLY_ENV = "KWARM_DEEP_GEMM_EARLY"
 # Not a setting either: set once kwarm_ext.early_builds started FlashInfer's builds at launch, so that
 # the engine's processes, which inherit it, do not start them again.
 EARLY_BUILDS_ENV = "KWARM_EARLY_BUILDS"
+# Not a setting either: where the engine's processes find FlashInfer's GDN prefill kernels compiled since
+# launch (kwarm_ext/early_gdn.py; JSON: folder, summary file, background pid), for the cute_dsl family.
+EARLY_CUTE_DSL_ENV = "KWARM_EARLY_CUTE_DSL"
 # sys.argv[0]'s base names where a process may be ``vllm serve`` starting (``-m``: ``python -m``,
 # its module still being located): activation looks before it imports kwarm_ext.early_builds,
 # which reads the whole command line (``early_builds.serve_launch``).

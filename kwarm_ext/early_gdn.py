@@ -45,6 +45,8 @@ import sys
 import time
 import types
 
+from kwarm_ext.config import EARLY_CUTE_DSL_ENV as EARLY_ENV  # the engine's processes read it (kernels/cute_dsl.py)
+
 FLASHINFER_SM90 = "flashinfer.gdn_kernels.delta_rule_dsl.delta_rule_sm90"
 FLASHINFER_CP_SM90 = "flashinfer.gdn_kernels.delta_rule_dsl.delta_rule_cp_sm90"
 FLASHINFER_CACHE = "flashinfer.gdn_kernels.delta_rule_dsl.custom_compile_cache"
@@ -55,7 +57,6 @@ VLLM_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 MAX_SMEM_PER_SM = {(9, 0): 233472}
 SM_COUNT = 132  # what FlashInfer sizes its scratch buffers by; no key depends on it
 CHUNK = 64  # vLLM's FLA_CHUNK_SIZE: its warmup's token count, and the checkpoint interval
-EARLY_ENV = "KWARM_EARLY_CUTE_DSL"  # not a setting: where the engine finds the early kernels (JSON)
 
 
 # ---------------------------------------------------------------------------- what
@@ -360,31 +361,3 @@ def finish(early: dict, summary: dict) -> None:
     from kwarm_ext import manifest_files
 
     manifest_files.write_atomic(early["done"], json.dumps(summary) + "\n")
-
-
-def ended(pid) -> bool:
-    """Whether the background process `pid` ended (gone, or a zombie its parent has not reaped)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, ValueError, IndexError):
-        return True
-
-
-def wait(early: dict, limit: float, say=lambda line: None) -> dict | None:
-    """The background process's summary, waiting for it up to `limit` seconds (None: it ended
-    without one, or is still running). Waiting costs nothing vLLM would not spend: its profile run
-    compiles the same kernels, and began later."""
-    t0, said = time.monotonic(), False
-    while True:
-        over = ended(early.get("pid", 0)) or time.monotonic() - t0 >= limit  # before the read: its last write counts
-        try:
-            with open(early["done"], encoding="utf-8") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            if over:
-                return None
-        if not said:
-            say(f"waiting for the GDN prefill kernels compiled since launch (pid {early.get('pid')}, at most {limit:.0f} s)")
-            said = True
-        time.sleep(0.2)

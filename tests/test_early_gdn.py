@@ -16,6 +16,7 @@ import pytest
 
 from conftest import RELEASES_DIR, clean_env, required, run_py
 from kwarm_ext import early_builds, early_gdn
+from kwarm_ext.kernels import cute_dsl
 
 FLASHINFER_072 = RELEASES_DIR / "flashinfer-0.7.2"
 
@@ -211,8 +212,8 @@ def test_the_engine_waits_for_the_summary_and_not_for_a_process_that_ended_witho
     timer = threading.Timer(0.5, lambda: early_gdn.finish(early, {"compiled": 7}))
     timer.start()
     t0 = time.monotonic()
-    assert early_gdn.wait(early, 30) == {"compiled": 7} and 0.4 < time.monotonic() - t0 < 5
+    assert cute_dsl.wait_early(early, 30) == {"compiled": 7} and 0.4 < time.monotonic() - t0 < 5
     gone = dict(early, done=str(tmp_path / ".done-3.json"), pid=2 ** 22 + 12345)
     t0 = time.monotonic()
-    assert early_gdn.wait(gone, 30) is None and time.monotonic() - t0 < 1
-    assert early_gdn.wait(dict(gone, pid=os.getpid()), 0.3) is None, "still running past the limit"
+    assert cute_dsl.wait_early(gone, 30) is None and time.monotonic() - t0 < 1
+    assert cute_dsl.wait_early(dict(gone, pid=os.getpid()), 0.3) is None, "still running past the limit"
