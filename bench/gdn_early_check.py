@@ -89,7 +89,7 @@ def main(argv) -> int:
     from kwarm_ext import early_gdn
     from kwarm_ext.kernels import cute_dsl
 
-    source = next(s for s in cute_dsl.SOURCES if s.name == "flashinfer_gdn")
+    source = cute_dsl.source_named("flashinfer_gdn")
     if mode == "cpu":
         t0 = time.perf_counter()
         lines: list = []

@@ -431,11 +431,19 @@ def save_source(source: Source, base: str, details: dict) -> list:
     return [f"{source.label}: {result['saved']} kernels saved in {result['seconds']:.2f} s"] if result["saved"] else []
 
 
-def load_source(source: Source, base: str, details: dict) -> list:
+def source_named(name: str) -> Source:
+    """The :data:`SOURCES` entry of that name."""
+    return next(s for s in SOURCES if s.name == name)
+
+
+def load_source(source: Source, base: str, details: dict, key: str | None = None, label: str | None = None) -> list:
+    """Load `source`'s kernels saved under `base` for this stack; `details[key]` (the source's name)
+    says what happened, `label` (the source's) names them in the line and the warning."""
+    key, label = key or source.name, label or source.label
     where = subfolder(os.path.join(base, source.name), stack(source))
     if not os.path.isdir(where):
-        details[source.name] = {"folder": where, "loaded": 0}
-        return [f"{source.label}: none saved for this CuTe DSL stack"]
+        details[key] = {"folder": where, "loaded": 0}
+        return [f"{label}: none saved for this CuTe DSL stack"]
     reason = trusted(where)
     if reason:
         raise ValueError(f"{where}: {reason}")
@@ -444,15 +452,15 @@ def load_source(source: Source, base: str, details: dict) -> list:
     except (ImportError, ValueError):
         found = False
     if not found:  # saved by a release that had it
-        details[source.name] = {"folder": where, "loaded": 0}
-        return [f"{source.label}: {source.module} is not in this installation"]
+        details[key] = {"folder": where, "loaded": 0}
+        return [f"{label}: {source.module} is not in this installation"]
     result = load(where, source.caches(importlib.import_module(source.module)))
-    details[source.name] = {"folder": where, **result}
+    details[key] = {"folder": where, **result}
     if result["refused"]:
         name, why = result["refused"][0]
-        logger.warning("kwarm: cute_dsl: %d saved %s kernels not loaded from %s (they compile as before); first: %s: %s",
-                       len(result["refused"]), source.label, where, name, why)
-    return [f"{source.label}: {result['loaded']} kernels loaded in {result['seconds']:.2f} s"]
+        logger.warning("kwarm: cute_dsl: %d %s kernels not loaded from %s (they compile as before); first: %s: %s",
+                       len(result["refused"]), label, where, name, why)
+    return [f"{label}: {result['loaded']} kernels loaded in {result['seconds']:.2f} s"]
 
 
 EARLY_WAIT_S = 120.0  # longer than the early compile of 7 kernels on a busy host
@@ -461,7 +469,7 @@ EARLY_WAIT_S = 120.0  # longer than the early compile of 7 kernels on a busy hos
 def load_early(early: dict, details: dict) -> list:
     """Load the GDN prefill kernels ``kwarm_ext.early_gdn`` compiled since launch, once its
     background process is done with them (:data:`EARLY_WAIT_S` at most)."""
-    source = next(s for s in SOURCES if s.name == "flashinfer_gdn")
+    source = source_named("flashinfer_gdn")
     t0 = time.perf_counter()
     summary = wait_early(early, EARLY_WAIT_S, lambda line: logger.info("kwarm: cute_dsl: %s", line))
     waited = time.perf_counter() - t0
@@ -471,18 +479,9 @@ def load_early(early: dict, details: dict) -> list:
     if not summary.get("compiled") and summary.get("skipped") != "compiled before":
         details["early"] = {"waited_s": round(waited, 3), "loaded": 0, **summary}
         return [f"no GDN prefill kernels compiled since launch ({summary.get('not') or summary.get('failed') or '?'})"]
-    where = subfolder(os.path.join(early["folder"], source.name), stack(source))
-    reason = trusted(where)
-    if reason:
-        raise ValueError(f"{where}: {reason}")
-    result = load(where, source.caches(importlib.import_module(source.module)))
-    details["early"] = {"folder": where, "waited_s": round(waited, 3), **result}
-    if result["refused"]:
-        name, why = result["refused"][0]
-        logger.warning("kwarm: cute_dsl: %d GDN prefill kernels compiled since launch not loaded (they compile as "
-                       "before); first: %s: %s", len(result["refused"]), name, why)
-    return [f"{source.label} compiled since launch: {result['loaded']} kernels loaded in {result['seconds']:.2f} s "
-            f"(waited {waited:.1f} s)"]
+    lines = load_source(source, early["folder"], details, key="early", label=f"{source.label} compiled since launch")
+    details["early"]["waited_s"] = round(waited, 3)
+    return [f"{line} (waited {waited:.1f} s)" for line in lines]
 
 
 def ended(pid) -> bool:

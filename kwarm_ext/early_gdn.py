@@ -63,7 +63,7 @@ CHUNK = 64  # vLLM's FLA_CHUNK_SIZE: its warmup's token count, and the checkpoin
 
 
 def config_facts(vllm_config) -> dict | None:
-    """What :func:`predict` reads of a ``VllmConfig`` (JSON); None for a model without GDN layers
+    """What :func:`reason` and :func:`compile_kernels` read of a ``VllmConfig`` (JSON); None for a model without GDN layers
     (no ``linear_key_head_dim`` in its text config)."""
     model = getattr(vllm_config, "model_config", None)
     hf = getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
@@ -319,7 +319,7 @@ def run(facts: dict, capability, folder: str, say) -> dict:
     if compiled_before(marker):
         return {"compiled": 0, "saved": 0, "seconds": round(time.perf_counter() - t0, 3), "skipped": "compiled before"}
     compiled = compile_kernels(facts, capability, say)
-    source = next(s for s in cute_dsl.SOURCES if s.name == "flashinfer_gdn")
+    source = cute_dsl.source_named("flashinfer_gdn")
     meta = cute_dsl.stack(source, capability)
     where = cute_dsl.subfolder(os.path.join(folder, source.name), meta)
     result = cute_dsl.save(where, {source.dicts[0]: compiled}, meta)
